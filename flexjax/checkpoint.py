@@ -1,0 +1,175 @@
+"""Orbax checkpoints of OPT models, written stage by stage and restored one stage at a time.
+
+A checkpoint is a directory holding one orbax PyTree checkpoint per stage ('tokens', 'embed',
+'layer_000' ... , 'head'), the tokenizer files under 'tokenizer/', and 'flexjax.json', which
+records the model config and is written last. A checkpoint is assembled in a hidden sibling
+directory and renamed into place only when complete, so an interrupted write leaves nothing that
+looks like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from flexjax.config import ModelConfig, np_dtype
+from flexjax.errors import FlexjaxError
+from flexjax.model import params as params_lib
+
+FORMAT = 'flexjax-opt-v1'
+META_FILE = 'flexjax.json'
+TOKENIZER_DIR = 'tokenizer'
+
+
+class CheckpointWriter:
+  """Writes a checkpoint stage by stage; use as a context manager.
+
+  On success the temporary directory is renamed to `path`; on any exception it is removed and
+  `path` is left as it was.
+  """
+
+  def __init__(self, path: str | os.PathLike, cfg: ModelConfig, dtype: str, *,
+               overwrite: bool = False):
+    self.path = Path(path).absolute()
+    self.cfg = cfg
+    self.dtype = dtype
+    self.overwrite = overwrite
+    if self.path.exists() and not overwrite:
+      raise FlexjaxError(f'output {str(self.path)!r} already exists; choose another path or pass '
+                         '--overwrite')
+    self._tmp: Path | None = None
+    self._written: list[str] = []
+    self._checkpointer = ocp.PyTreeCheckpointer()
+
+  def __enter__(self) -> 'CheckpointWriter':
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self._tmp = Path(tempfile.mkdtemp(prefix=f'.{self.path.name}.partial-', dir=self.path.parent))
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    assert self._tmp is not None
+    if exc_type is None:
+      self._commit()
+    shutil.rmtree(self._tmp, ignore_errors=True)
+
+  @property
+  def tokenizer_dir(self) -> Path:
+    assert self._tmp is not None, 'use CheckpointWriter as a context manager'
+    return self._tmp / TOKENIZER_DIR
+
+  def write_stage(self, stage: str, tree: params_lib.HostParams) -> None:
+    """Saves one stage; its shapes must match the config."""
+    assert self._tmp is not None, 'use CheckpointWriter as a context manager'
+    _check_shapes(self.cfg, stage, {k: v.shape for k, v in params_lib.flatten(tree).items()},
+                  source='written tree')
+    if tree:
+      self._checkpointer.save(self._tmp / stage, tree)
+    self._written.append(stage)
+
+  def _commit(self) -> None:
+    missing = [s for s in params_lib.stage_names(self.cfg) if s not in self._written]
+    if missing:
+      raise RuntimeError(f'checkpoint is missing stages {missing}')
+    has_tokenizer = self.tokenizer_dir.is_dir() and any(self.tokenizer_dir.iterdir())
+    meta = {'format': FORMAT, 'dtype': self.dtype, 'model': self.cfg.to_dict(),
+            'tokenizer': TOKENIZER_DIR if has_tokenizer else None}
+    (self._tmp / META_FILE).write_text(json.dumps(meta, indent=2) + '\n')
+    if self.path.exists():  # overwrite: move the old one aside only now, then drop it
+      old = Path(tempfile.mkdtemp(prefix=f'.{self.path.name}.old-', dir=self.path.parent))
+      os.rename(self.path, old / 'ckpt')
+      os.rename(self._tmp, self.path)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      os.rename(self._tmp, self.path)
+
+
+class Checkpoint:
+  """A complete checkpoint on disk; reads one stage at a time as host numpy arrays."""
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = Path(path)
+    if not self.path.is_dir():
+      raise FlexjaxError(f'checkpoint {str(path)!r} does not exist; convert one with '
+                         '`python -m tools.convert_hf --hf_dir=... --output=...` or use '
+                         '--weights=dummy')
+    meta_path = self.path / META_FILE
+    if not meta_path.is_file():
+      raise FlexjaxError(f'checkpoint {str(path)!r} is incomplete or not a flexjax checkpoint '
+                         f'(no {META_FILE}); convert it again')
+    try:
+      meta = json.loads(meta_path.read_text())
+      if meta.get('format') != FORMAT:
+        raise FlexjaxError(f'checkpoint {str(path)!r} has format {meta.get("format")!r}, '
+                           f'expected {FORMAT!r}; convert it again')
+      self.config = ModelConfig.from_dict(meta['model'])
+      self.dtype: str = meta['dtype']
+      np_dtype(self.dtype)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise FlexjaxError(f'checkpoint {str(path)!r} has a corrupt {META_FILE} ({e}); convert it '
+                         'again') from None
+    self.tokenizer_path = (self.path / meta['tokenizer']) if meta.get('tokenizer') else None
+    self._checkpointer = ocp.PyTreeCheckpointer()
+    for stage in params_lib.stage_names(self.config):
+      _check_shapes(self.config, stage, self._stored_shapes(stage),
+                    source=f'checkpoint {str(path)!r}')
+
+  def _stored_shapes(self, stage: str) -> dict[tuple[str, ...], tuple[int, ...]]:
+    stage_dir = self.path / stage
+    if not stage_dir.exists():
+      return {}
+    try:
+      tree = self._checkpointer.metadata(stage_dir).item_metadata.tree
+    except Exception as e:  # orbax raises many types for damaged files
+      raise FlexjaxError(f'checkpoint stage {str(stage_dir)!r} is unreadable '
+                         f'({_first_line(e)}); convert the checkpoint again') from None
+    return {k: tuple(v.shape) for k, v in params_lib.flatten(_to_dict(tree)).items()}
+
+  def read(self, stage: str) -> params_lib.HostParams:
+    """Restores one stage ('tokens', 'embed', 'layer_007', 'head') as host numpy arrays."""
+    shapes = params_lib.stage_shapes(self.config, stage)
+    if not shapes:
+      return {}
+    restore_args = params_lib.map_shapes(
+        lambda _, __: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+    try:
+      tree = self._checkpointer.restore(self.path / stage, restore_args=restore_args)
+    except Exception as e:  # orbax raises many types for damaged files
+      raise FlexjaxError(f'checkpoint stage {str(self.path / stage)!r} is unreadable '
+                         f'({_first_line(e)}); convert the checkpoint again') from None
+    return _to_dict(tree)
+
+
+def _to_dict(tree: Any) -> Any:
+  if isinstance(tree, dict) or hasattr(tree, 'items'):
+    return {k: _to_dict(v) for k, v in tree.items()}
+  return tree
+
+
+def _first_line(e: Exception) -> str:
+  text = str(e).strip().splitlines()
+  return f'{type(e).__name__}: {text[0] if text else ""}'[:300]
+
+
+def _check_shapes(cfg: ModelConfig, stage: str, got: dict[tuple[str, ...], tuple[int, ...]],
+                  source: str) -> None:
+  """Raises a one-line error when the stored shapes of a stage differ from the config's."""
+  want = params_lib.flatten(params_lib.stage_shapes(cfg, stage))
+  for key in sorted(set(want) | set(got)):
+    name = f'{stage}/{"/".join(key)}'
+    if key not in got:
+      raise FlexjaxError(f'{source} lacks {name} (shape {want[key]}) required by model '
+                         f'{cfg.name!r}; convert the checkpoint again')
+    if key not in want:
+      raise FlexjaxError(f'{source} has {name} that model {cfg.name!r} does not use; the config '
+                         'and the weights disagree')
+    if tuple(got[key]) != tuple(want[key]):
+      raise FlexjaxError(f'{source}: {name} has shape {tuple(got[key])} but model {cfg.name!r} '
+                         f'expects {tuple(want[key])}; the config and the weights disagree')
+

@@ -1,0 +1,1 @@
+"""OPT model math and parameter trees."""

@@ -1,0 +1,169 @@
+"""Pure OPT layer math: (params, inputs, kv) -> (outputs, new kv). Jitted one layer at a time.
+
+Parameters arrive in their storage dtype and are cast to the compute dtype right before use.
+Kernels are [in, out]. Shapes are marked as [batch, seq, hidden]; the KV cache of one layer is
+[batch, time, hidden] for K and for V (heads merged, head-major inside the hidden axis).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flexjax.config import ModelConfig
+
+Params = dict
+
+
+def _cast(tree: Params, dtype) -> Params:
+  return jax.tree_util.tree_map(lambda a: a.astype(dtype), tree)
+
+
+def layer_norm(p: Params, x: jax.Array, eps: float) -> jax.Array:
+  """LayerNorm over the last axis, statistics in float32; p may be empty (no affine)."""
+  x32 = x.astype(jnp.float32)
+  mean = x32.mean(-1, keepdims=True)
+  var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+  y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+  if p:
+    y = y * p['scale'].astype(jnp.float32) + p['bias'].astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+def dense(p: Params, x: jax.Array) -> jax.Array:
+  y = jnp.einsum('...i,io->...o', x, p['kernel'])
+  return y + p['bias'] if 'bias' in p else y
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+  """OPT's positions of left-padded rows: running count of real tokens minus one ([b, s] int32)."""
+  m = mask.astype(jnp.int32)
+  return jnp.cumsum(m, axis=1) * m - 1
+
+
+def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
+          compute_dtype) -> jax.Array:
+  """Token + learned position embedding. tokens, positions: [b, s] -> [b, s, hidden]."""
+  p = _cast(params, compute_dtype)
+  x = jnp.take(p['tokens'], tokens, axis=0)  # [b, s, embed_dim]
+  if cfg.has_projection:
+    x = dense(p['project_in'], x)
+  return x + jnp.take(p['positions'], positions + 2, axis=0)
+
+
+def head(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype) -> jax.Array:
+  """Final LayerNorm, project_out and the tied LM head. [b, s, hidden] -> [b, s, vocab] float32."""
+  p = _cast(params, compute_dtype)
+  x = x.astype(compute_dtype)
+  if cfg.has_final_layer_norm:
+    x = layer_norm(p.get('final_ln', {}), x, cfg.layer_norm_eps)
+  if cfg.has_projection:
+    x = dense(p['project_out'], x)
+  return jnp.einsum('bse,ve->bsv', x, p['tokens']).astype(jnp.float32)
+
+
+def _split_heads(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+  return x.reshape(*x.shape[:-1], cfg.num_heads, cfg.head_dim)  # [..., heads, head_dim]
+
+
+def _qkv(p: Params, x: jax.Array, cfg: ModelConfig):
+  q = dense(p['q'], x) * (cfg.head_dim ** -0.5)
+  return q, dense(p['k'], x), dense(p['v'], x)
+
+
+def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax in float32 over the last axis; masked entries get probability 0 (rows never NaN)."""
+  scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(scores, axis=-1)
+
+
+def _mlp_block(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+  ln = p.get('mlp_ln', {})
+  h = layer_norm(ln, x, cfg.layer_norm_eps) if cfg.do_layer_norm_before else x
+  h = dense(p['fc2'], jax.nn.relu(dense(p['fc1'], h)))
+  x = x + h
+  return x if cfg.do_layer_norm_before else layer_norm(ln, x, cfg.layer_norm_eps)
+
+
+def decoder_prefill(params: Params, x: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
+                    compute_dtype, cache_dtype):
+  """One decoder layer over whole prompts.
+
+  Args:
+    x: [b, s, hidden] hidden states.
+    mask: [b, s] bool, True for real tokens (prompts are left-padded).
+  Returns:
+    (y [b, s, hidden], (k, v)) with k, v: [b, s, hidden] in cache_dtype.
+  """
+  p = _cast(params, compute_dtype)
+  x = x.astype(compute_dtype)
+  ln = p.get('attn_ln', {})
+  h = layer_norm(ln, x, cfg.layer_norm_eps) if cfg.do_layer_norm_before else x
+  q, k, v = _qkv(p, h, cfg)
+  # Attend to K/V as the cache will hold them, so prefill and decode read the same values.
+  k, v = k.astype(cache_dtype), v.astype(cache_dtype)
+  s = x.shape[1]
+  causal = jnp.tril(jnp.ones((s, s), bool))
+  allowed = causal[None, None] & mask[:, None, None, :]  # [b, 1, q, t]
+  kc, vc = (_split_heads(a.astype(compute_dtype), cfg) for a in (k, v))
+  scores = jnp.einsum('bqnd,btnd->bnqt', _split_heads(q, cfg), kc)
+  probs = _masked_softmax(scores, allowed).astype(compute_dtype)
+  attn = jnp.einsum('bnqt,btnd->bqnd', probs, vc).reshape(x.shape)
+  x = x + dense(p['o'], attn)
+  if not cfg.do_layer_norm_before:
+    x = layer_norm(ln, x, cfg.layer_norm_eps)
+  return _mlp_block(p, x, cfg), (k, v)
+
+
+def attend_decode(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax.Array,
+                  v_cache: jax.Array, cache_mask: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+  """Attention of one new token over the cached positions plus itself.
+
+  The cache is never concatenated with the new entry (no copy of the cache): the scores of the
+  new key are appended to the cached scores, and its value is added to the weighted sum.
+
+  Args:
+    q, k_new, v_new: [b, hidden] projections of the new token (q already scaled).
+    k_cache, v_cache: [b, t, hidden] cached keys and values.
+    cache_mask: [b, t] bool, True where the cache holds a real token.
+  Returns:
+    [b, hidden] attention output (before the output projection), in q's dtype.
+  """
+  dtype = q.dtype
+  qh, kh, vh = (_split_heads(a, cfg) for a in (q, k_new, v_new))  # [b, n, d]
+  kc = _split_heads(k_cache.astype(dtype), cfg)  # [b, t, n, d]
+  vc = _split_heads(v_cache.astype(dtype), cfg)
+  past = jnp.einsum('bnd,btnd->bnt', qh, kc)
+  new = jnp.einsum('bnd,bnd->bn', qh, kh)[..., None]
+  scores = jnp.concatenate([past, new], axis=-1)  # [b, n, t + 1]
+  allowed = jnp.concatenate([cache_mask, jnp.ones_like(cache_mask[:, :1])], axis=-1)
+  probs = _masked_softmax(scores, allowed[:, None, :]).astype(dtype)
+  out = jnp.einsum('bnt,btnd->bnd', probs[..., :-1], vc) + probs[..., -1:] * vh
+  return out.reshape(q.shape)
+
+
+def decoder_decode(params: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                   cache_mask: jax.Array, *, cfg: ModelConfig, compute_dtype, cache_dtype):
+  """One decoder layer for one new token per sequence.
+
+  Args:
+    x: [b, 1, hidden] hidden state of the new token.
+    k_cache, v_cache: [b, t, hidden]; cache_mask: [b, t] bool.
+  Returns:
+    (y [b, 1, hidden], (k_new, v_new)) with k_new, v_new: [b, 1, hidden] in cache_dtype.
+  """
+  p = _cast(params, compute_dtype)
+  x = x.astype(compute_dtype)[:, 0]  # [b, hidden]
+  ln = p.get('attn_ln', {})
+  h = layer_norm(ln, x, cfg.layer_norm_eps) if cfg.do_layer_norm_before else x
+  q, k, v = _qkv(p, h, cfg)
+  # The new K/V are rounded to the cache dtype first, so the token attends to what later
+  # tokens will read back from the cache.
+  k, v = k.astype(cache_dtype), v.astype(cache_dtype)
+  attn = attend_decode(q, k.astype(compute_dtype), v.astype(compute_dtype), k_cache, v_cache,
+                       cache_mask, cfg=cfg)
+  x = x + dense(p['o'], attn)
+  if not cfg.do_layer_norm_before:
+    x = layer_norm(ln, x, cfg.layer_norm_eps)
+  y = _mlp_block(p, x, cfg)
+  return y[:, None], (k[:, None], v[:, None])

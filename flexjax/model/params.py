@@ -1,0 +1,73 @@
+"""Parameter trees of the model's stages (input embedding, decoder layers, head) and dummy init."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from flexjax.config import ModelConfig, ShapeTree
+
+# A stage's parameters: nested dicts of host numpy arrays, mirroring ModelConfig's shape trees.
+HostParams = dict[str, Any]
+
+
+def map_shapes(fn: Callable[[tuple[str, ...], tuple[int, ...]], Any], shapes: ShapeTree,
+               prefix: tuple[str, ...] = ()) -> dict:
+  """Applies fn(path, shape) to every leaf of a shape tree, keeping its structure."""
+  return {k: map_shapes(fn, v, prefix + (k,)) if isinstance(v, dict) else fn(prefix + (k,), v)
+          for k, v in shapes.items()}
+
+
+def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+  """{'a': {'b': x}} -> {('a', 'b'): x}."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, prefix + (k,)))
+    else:
+      out[prefix + (k,)] = v
+  return out
+
+
+def stage_shapes(cfg: ModelConfig, stage: str) -> ShapeTree:
+  """Shapes of a stored stage: 'tokens', 'embed', 'head' or 'layer_<i>'."""
+  if stage == 'tokens':
+    return {'tokens': cfg.tokens_shape()}
+  if stage == 'embed':
+    return cfg.embed_shapes()
+  if stage == 'head':
+    return cfg.head_shapes()
+  if stage.startswith('layer_') and 0 <= int(stage[6:]) < cfg.num_layers:
+    return cfg.layer_shapes()
+  raise ValueError(f'unknown stage {stage!r}')
+
+
+def stage_names(cfg: ModelConfig) -> list[str]:
+  """Stored stages in model order."""
+  return ['tokens', 'embed'] + [layer_name(i) for i in range(cfg.num_layers)] + ['head']
+
+
+def layer_name(index: int) -> str:
+  return f'layer_{index:03d}'
+
+
+def dummy_stage(cfg: ModelConfig, stage: str, dtype: np.dtype, seed: int) -> HostParams:
+  """Random but deterministic parameters of one stage, created without touching other stages.
+
+  LayerNorm scales are 1 and biases 0.02-scaled noise; matrices are uniform with std 0.02 (the
+  OPT initialisation scale), so activations stay in a realistic range through deep models.
+  """
+  stage_seed = list(seed.to_bytes(8, 'little')) + list(stage.encode())
+  rng = np.random.default_rng(stage_seed)
+  half_width = np.float32(0.02 * np.sqrt(3.0))
+
+  def init(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
+    if path[-1] == 'scale':
+      return np.ones(shape, dtype)
+    values = rng.random(shape, dtype=np.float32)
+    values *= 2 * half_width
+    values -= half_width
+    return values.astype(dtype, copy=False)
+
+  return map_shapes(init, stage_shapes(cfg, stage))
