@@ -90,25 +90,27 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
 class Engine:
   """Runs an OPT model whose weights all live on one device.
 
+  Weights are read in the source's storage dtype, moved to the device as stored, and cast there
+  to the compute dtype once, at load. (Casting per step instead made opt-125m decode 2.8x slower
+  on the CPU backend: XLA:CPU does not fuse the fp16->fp32 cast into its matmuls.)
+
   Args:
     weights: where stages are read from (a Checkpoint or DummyWeights).
-    weight_dtype: dtype the weights are kept in on the device (default: the source's).
     compute_dtype: dtype of the layer math (float32 is fastest and exact on the CPU backend).
     cache_dtype: dtype of the KV cache (default: compute_dtype).
     device: a jax device (default: the first one).
   """
 
-  def __init__(self, weights: WeightSource, *, weight_dtype: str | None = None,
-               compute_dtype: str = 'float32', cache_dtype: str | None = None,
+  def __init__(self, weights: WeightSource, *, compute_dtype: str = 'float32', cache_dtype: str | None = None,
                device: jax.Device | None = None):
     self._source = weights
     self.config: ModelConfig = weights.config
-    self.weight_dtype = weight_dtype or weights.dtype
+    self.weight_dtype = weights.dtype
     self.compute_dtype = compute_dtype
     self.cache_dtype = cache_dtype or compute_dtype
     self.device = device or jax.devices()[0]
     cfg = self.config
-    self._np_weight_dtype = np_dtype(self.weight_dtype)
+    self._np_compute_dtype = np_dtype(compute_dtype)
     kw = dict(cfg=cfg, compute_dtype=np_dtype(compute_dtype))
     cache_kw = dict(kw, cache_dtype=np_dtype(self.cache_dtype))
     self._embed = jax.jit(functools.partial(opt.embed, **kw))
@@ -125,10 +127,10 @@ class Engine:
     self._layers = [self._load(params_lib.layer_name(i)) for i in range(cfg.num_layers)]
 
   def _load(self, stage: str):
-    """Reads one stage from the source and places it on the device in weight_dtype."""
+    """Reads one stage from the source, moves it to the device and casts it there."""
     host = self._source.read(stage)
     return jax.tree_util.tree_map(
-        lambda a: jax.device_put(a.astype(self._np_weight_dtype, copy=False), self.device), host)
+        lambda a: jax.device_put(a, self.device).astype(self._np_compute_dtype), host)
 
   # ---- forward pieces ---------------------------------------------------------------------------
   def _prefill_batch(self, tokens: jax.Array, mask: jax.Array, cache_len: int):

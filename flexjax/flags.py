@@ -1,0 +1,86 @@
+"""Command-line flags (the only module that imports absl.flags) and their conversion to configs."""
+
+from __future__ import annotations
+
+from absl import flags
+
+from flexjax.config import DTYPES, PRESETS
+from flexjax.engine import GenerationConfig
+from flexjax.errors import FlexjaxError
+from flexjax.run import RunConfig
+
+# Offloading flags and the only value this version runs with; anything else is refused.
+PLACEMENT_DEFAULTS = {
+    'num_gpu_batches': 1,
+    'w_gpu_percent': 100, 'w_cpu_percent': 0,
+    'cache_gpu_percent': 100, 'cache_cpu_percent': 0,
+    'act_gpu_percent': 100, 'act_cpu_percent': 0,
+    'cpu_attention': False,
+    'overlap': True,
+    'offload_dir': '',
+    'compress_weight': False,
+    'compress_cache': False,
+}
+
+
+def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+  """Defines flexjax's flags on `fv`."""
+  f = dict(flag_values=fv)
+  flags.DEFINE_string('model', 'opt-125m', f'Model preset: {", ".join(PRESETS)}. With '
+                      '--weights=checkpoint the checkpoint\'s config is used and, if --model is '
+                      'given, checked against it.', **f)
+  flags.DEFINE_enum('weights', 'dummy', ['dummy', 'checkpoint'],
+                    'dummy: random deterministic weights (benchmarks); checkpoint: --checkpoint.', **f)
+  flags.DEFINE_string('checkpoint', None, 'Converted flexjax checkpoint (tools/convert_hf.py).', **f)
+  flags.DEFINE_integer('dummy_seed', 0, 'Seed of the dummy weights.', **f)
+  flags.DEFINE_enum('dtype', None, list(DTYPES), 'Dtype weights are kept in (default: the '
+                    'checkpoint\'s; float16 for dummy weights).', **f)
+  flags.DEFINE_enum('compute_dtype', 'float32', list(DTYPES), 'Dtype of the layer math.', **f)
+  flags.DEFINE_enum('cache_dtype', None, list(DTYPES), 'KV cache dtype (default: compute).', **f)
+  flags.DEFINE_string('prompt_file', None, 'Prompts: .txt (one per line, needs a tokenizer) or '
+                      '.jsonl ({"prompt": text} or {"tokens": [ids]} per line). Default: '
+                      'synthetic prompts of --prompt_len tokens.', **f)
+  flags.DEFINE_integer('prompt_len', 128, 'Length of synthetic prompts (BOS included).', **f)
+  flags.DEFINE_integer('num_prompts', None, 'Number of synthetic prompts (default: '
+                       'gpu_batch_size).', **f)
+  flags.DEFINE_integer('gen_len', 32, 'New tokens per prompt.', **f)
+  flags.DEFINE_integer('gpu_batch_size', 8, 'Prompts processed together.', **f)
+  flags.DEFINE_float('temperature', 0.0, 'Sampling temperature; 0 is greedy.', **f)
+  flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass.', **f)
+  flags.DEFINE_integer('seed', 0, 'Sampling seed.', **f)
+  flags.DEFINE_bool('stop_at_eos', True, 'Stop a sequence at EOS (pads the rest).', **f)
+  flags.DEFINE_string('output', None, 'Write generations here as JSON lines.', **f)
+  flags.DEFINE_bool('warmup', True, 'Compile on the first batch before timing.', **f)
+  # Offloading policy (reserved: this version runs all on one device).
+  for name, default in PLACEMENT_DEFAULTS.items():
+    kind = type(default)
+    define = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, str: flags.DEFINE_string}[kind]
+    define(name, default, f'Offloading policy (this version supports only {default!r}).', **f)
+
+
+def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
+  """Validates parsed flags into a RunConfig; raises FlexjaxError naming the bad value."""
+  for name, default in PLACEMENT_DEFAULTS.items():
+    if fv[name].value != default:
+      raise FlexjaxError(f'--{name}={fv[name].value!r}: offloading is not available in this '
+                         f'version, which keeps everything on one device; drop the flag or set '
+                         f'--{name}={default!r}')
+  for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_prompts'):
+    value = fv[name].value
+    if value is not None and value <= 0:
+      raise FlexjaxError(f'--{name}={value} must be a positive integer')
+  if fv.weights == 'checkpoint' and not fv.checkpoint:
+    raise FlexjaxError('--weights=checkpoint needs --checkpoint=PATH (a converted checkpoint)')
+  if fv.weights == 'dummy' and fv.checkpoint:
+    raise FlexjaxError(f'--checkpoint={fv.checkpoint!r} is given with --weights=dummy; pass '
+                       '--weights=checkpoint to use it')
+  gen = GenerationConfig(gen_len=fv.gen_len, batch_size=fv.gpu_batch_size,
+                         temperature=fv.temperature, top_p=fv.top_p, seed=fv.seed,
+                         stop_at_eos=fv.stop_at_eos)
+  return RunConfig(
+      model=fv.model if (fv.weights == 'dummy' or fv['model'].present) else None,
+      weights=fv.weights, checkpoint=fv.checkpoint, dummy_seed=fv.dummy_seed,
+      dtype=fv.dtype, compute_dtype=fv.compute_dtype, cache_dtype=fv.cache_dtype,
+      prompt_file=fv.prompt_file, prompt_len=fv.prompt_len,
+      num_prompts=fv.num_prompts or fv.gpu_batch_size, generation=gen, output=fv.output,
+      warmup=fv.warmup)

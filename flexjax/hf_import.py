@@ -1,0 +1,214 @@
+"""Reading Hugging Face OPT checkpoints: one mapping table from HF names to flexjax stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from flexjax.config import ModelConfig, np_dtype
+from flexjax.errors import FlexjaxError
+from flexjax.model import params as params_lib
+
+# flexjax path inside a stage -> (HF name after the stage's prefix, transpose?).
+# HF Linear weights are [out, in]; flexjax kernels are [in, out].
+_LAYER = {
+    ('attn_ln', 'scale'): ('self_attn_layer_norm.weight', False),
+    ('attn_ln', 'bias'): ('self_attn_layer_norm.bias', False),
+    **{(ours, kind): (f'self_attn.{theirs}.{"weight" if kind == "kernel" else "bias"}',
+                      kind == 'kernel')
+       for ours, theirs in (('q', 'q_proj'), ('k', 'k_proj'), ('v', 'v_proj'), ('o', 'out_proj'))
+       for kind in ('kernel', 'bias')},
+    ('mlp_ln', 'scale'): ('final_layer_norm.weight', False),
+    ('mlp_ln', 'bias'): ('final_layer_norm.bias', False),
+    ('fc1', 'kernel'): ('fc1.weight', True),
+    ('fc1', 'bias'): ('fc1.bias', False),
+    ('fc2', 'kernel'): ('fc2.weight', True),
+    ('fc2', 'bias'): ('fc2.bias', False),
+}
+_TOKENS = {('tokens',): ('embed_tokens.weight', False)}
+_EMBED = {
+    ('positions',): ('embed_positions.weight', False),
+    ('project_in', 'kernel'): ('project_in.weight', True),
+}
+_HEAD = {
+    ('final_ln', 'scale'): ('final_layer_norm.weight', False),
+    ('final_ln', 'bias'): ('final_layer_norm.bias', False),
+    ('project_out', 'kernel'): ('project_out.weight', True),
+}
+
+TOKENIZER_FILES = ('tokenizer.json', 'vocab.json', 'merges.txt', 'tokenizer_config.json',
+                   'special_tokens_map.json', 'added_tokens.json')
+
+_SAFETENSORS_DTYPES = {'F32': 'float32', 'F16': 'float16', 'BF16': 'bfloat16', 'F64': 'float64',
+                       'I64': 'int64', 'I32': 'int32', 'U8': 'uint8', 'BOOL': 'bool'}
+
+
+def hf_name(stage: str, path: tuple[str, ...]) -> tuple[str, bool]:
+  """The HF tensor name (without 'model.') of a flexjax parameter, and whether to transpose it."""
+  if stage.startswith('layer_'):
+    name, transpose = _LAYER[path]
+    return f'decoder.layers.{int(stage[6:])}.{name}', transpose
+  table = {'tokens': _TOKENS, 'embed': _EMBED, 'head': _HEAD}[stage]
+  name, transpose = table[path]
+  return f'decoder.{name}', transpose
+
+
+class _SafetensorsFile:
+  """Lazy, zero-copy reader of one .safetensors file (any dtype, bfloat16 included)."""
+
+  def __init__(self, path: Path):
+    self.path = path
+    try:
+      with open(path, 'rb') as f:
+        (header_len,) = struct.unpack('<Q', f.read(8))
+        self.header = json.loads(f.read(header_len))
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, MemoryError, OverflowError):
+      raise FlexjaxError(f'{str(path)!r} is not a valid safetensors file (bad header); '
+                         'download or save it again') from None
+    self.header.pop('__metadata__', None)
+    self.data_start = 8 + header_len
+
+  def keys(self):
+    return self.header.keys()
+
+  def get(self, key: str) -> np.ndarray:
+    info = self.header[key]
+    if info['dtype'] not in _SAFETENSORS_DTYPES:
+      raise FlexjaxError(f'{self.path}: tensor {key!r} has dtype {info["dtype"]}, which flexjax '
+                         f'does not read; use one of {", ".join(_SAFETENSORS_DTYPES)}')
+    name = _SAFETENSORS_DTYPES[info['dtype']]
+    dtype = np_dtype(name) if name == 'bfloat16' else np.dtype(name)
+    begin, end = info['data_offsets']
+    shape = tuple(info['shape'])
+    if end - begin != int(np.prod(shape)) * dtype.itemsize:
+      raise FlexjaxError(f'{self.path}: tensor {key!r} holds {end - begin} bytes, not the '
+                         f'{shape} x {dtype} its header states; the file is corrupt')
+    try:
+      return np.memmap(self.path, dtype=dtype, mode='r', offset=self.data_start + begin,
+                       shape=shape)
+    except ValueError as e:  # file shorter than its header says
+      raise FlexjaxError(f'{self.path}: tensor {key!r} cannot be read ({e}); the file is '
+                         'truncated or corrupt') from None
+
+
+class HFCheckpoint:
+  """Tensors of an HF OPT directory (config.json + *.safetensors, or pytorch_model*.bin).
+
+  Names are accepted with or without the 'model.' prefix.
+  """
+
+  def __init__(self, hf_dir: str | os.PathLike):
+    self.dir = Path(hf_dir)
+    if not self.dir.is_dir():
+      raise FlexjaxError(f'--hf_dir={str(hf_dir)!r} is not a directory; give the folder that holds '
+                         'config.json and the weight files')
+    self.config = ModelConfig.from_hf_config_file(self.dir / 'config.json',
+                                                  name=self.dir.name)
+    self._readers: dict[str, Callable[[], np.ndarray]] = {}
+    safetensors = sorted(self.dir.glob('*.safetensors'))
+    bins = sorted(self.dir.glob('pytorch_model*.bin'))
+    if safetensors:
+      for path in safetensors:
+        f = _SafetensorsFile(path)
+        for key in f.keys():
+          self._add(key, lambda f=f, key=key: f.get(key))
+    elif bins:
+      for path in bins:
+        state = _torch_load(path)
+        for key in state:
+          self._add(key, lambda state=state, key=key: _torch_to_numpy(state[key]))
+    else:
+      raise FlexjaxError(f'no *.safetensors or pytorch_model*.bin files in {str(self.dir)!r}')
+
+  def _add(self, key: str, reader: Callable[[], np.ndarray]) -> None:
+    self._readers[key.removeprefix('model.')] = reader
+
+  def source_dtype(self) -> str:
+    dtype = self.tensor('decoder.embed_tokens.weight').dtype
+    return 'bfloat16' if dtype == np_dtype('bfloat16') else str(dtype)
+
+  def tensor(self, name: str) -> np.ndarray:
+    if name not in self._readers:
+      raise FlexjaxError(f'{str(self.dir)!r} has no tensor {name!r} (nor model.{name}); is it a '
+                         'complete OPT checkpoint?')
+    return self._readers[name]()
+
+  def read_stage(self, stage: str, dtype: np.dtype) -> params_lib.HostParams:
+    """One flexjax stage from the HF tensors, transposed, shape-checked and cast to dtype."""
+
+    def fetch(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
+      name, transpose = hf_name(stage, path)
+      value = self.tensor(name)
+      value = value.T if transpose else value
+      if value.shape != shape:
+        raise FlexjaxError(f'{name} has shape {value.shape} (after transpose: {transpose}) but '
+                           f'config.json implies {shape}; the config and the weights disagree')
+      return np.ascontiguousarray(value, dtype=dtype)
+
+    return params_lib.map_shapes(fetch, params_lib.stage_shapes(self.config, stage))
+
+  def stages(self, dtype: np.dtype) -> Iterator[tuple[str, params_lib.HostParams]]:
+    for stage in params_lib.stage_names(self.config):
+      yield stage, self.read_stage(stage, dtype)
+
+  def tokenizer_files(self) -> list[Path]:
+    return [self.dir / name for name in TOKENIZER_FILES if (self.dir / name).is_file()]
+
+
+def _torch_load(path: Path):
+  try:
+    import torch
+  except ImportError:
+    raise FlexjaxError(f'{str(path)!r} is a PyTorch file and needs torch installed; install torch '
+                       'or convert the checkpoint to safetensors') from None
+  try:
+    return torch.load(path, map_location='cpu', mmap=True, weights_only=True)
+  except Exception as e:  # torch raises many types for damaged files
+    raise FlexjaxError(f'{str(path)!r} cannot be read by torch ({type(e).__name__}: '
+                       f'{str(e).splitlines()[0][:200] if str(e) else ""})') from None
+
+
+def _torch_to_numpy(t) -> np.ndarray:
+  import torch
+  if t.dtype == torch.bfloat16:
+    return t.view(torch.int16).numpy().view(np_dtype('bfloat16'))
+  return t.numpy()
+
+
+def convert(hf_dir: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 'source',
+            overwrite: bool = False, progress: bool = True) -> Path:
+  """Converts an HF OPT directory into a flexjax checkpoint, one stage in memory at a time.
+
+  Args:
+    dtype: 'source' keeps the checkpoint's dtype; or 'float32', 'float16', 'bfloat16'.
+  Returns:
+    The checkpoint path (complete: written to a temporary directory, then renamed).
+  """
+  from flexjax.checkpoint import CheckpointWriter  # orbax is only needed for writing
+
+  hf = HFCheckpoint(hf_dir)
+  dtype = hf.source_dtype() if dtype == 'source' else dtype
+  target = np_dtype(dtype)
+  names = params_lib.stage_names(hf.config)
+  with CheckpointWriter(output, hf.config, dtype, overwrite=overwrite) as writer:
+    bar = _progress(names, progress, desc=f'converting {hf.config.name}')
+    for stage in bar:
+      writer.write_stage(stage, hf.read_stage(stage, target))
+    files = hf.tokenizer_files()
+    if files:
+      writer.tokenizer_dir.mkdir()
+      for path in files:
+        (writer.tokenizer_dir / path.name).write_bytes(path.read_bytes())
+  return writer.path
+
+
+def _progress(items, enabled: bool, desc: str):
+  if not enabled:
+    return items
+  from tqdm import tqdm
+  return tqdm(items, desc=desc, unit='stage')

@@ -1,0 +1,38 @@
+"""Command-line entry point: python -m flexjax.main --flagfile=configs/opt-125m.flags"""
+
+import json
+import logging
+import sys
+
+from absl import app
+
+from flexjax import flags as flags_lib
+from flexjax.errors import FlexjaxError
+
+
+def main(argv) -> int:
+  if len(argv) > 1:
+    print(f'flexjax: error: unexpected arguments {argv[1:]}; every option is a --flag',
+          file=sys.stderr)
+    return 2
+  logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no probing chatter
+  from flexjax.run import run
+  try:
+    rc = flags_lib.run_config_from_flags()
+    result = run(rc)
+  except FlexjaxError as e:
+    print(f'flexjax: error: {e}', file=sys.stderr)
+    return 2
+  for key, value in result.items():
+    print(f'{key:>20}: {value}')
+  print(json.dumps(result))
+  return 0
+
+
+def entry() -> None:
+  flags_lib.define_flags()
+  app.run(main)
+
+
+if __name__ == '__main__':
+  entry()

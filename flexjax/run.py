@@ -1,0 +1,221 @@
+"""One generation job: weights, prompts, engine, report and output file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flexjax import config as config_lib
+from flexjax.checkpoint import Checkpoint
+from flexjax.engine import Engine, GenerationConfig, GenerationResult
+from flexjax.errors import FlexjaxError
+from flexjax.tokenizer import Tokenizer
+from flexjax.weights import DummyWeights, WeightSource
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything a generation job needs; built from flags or by hand."""
+
+  model: str | None = 'opt-125m'  # preset; None: the checkpoint's own config
+  weights: str = 'dummy'  # 'dummy' | 'checkpoint'
+  checkpoint: str | None = None
+  dummy_seed: int = 0
+  dtype: str | None = None  # stored weight dtype; None: checkpoint's, float16 for dummy weights
+  compute_dtype: str = 'float32'
+  cache_dtype: str | None = None
+  prompt_file: str | None = None
+  prompt_len: int = 128
+  num_prompts: int = 8
+  generation: GenerationConfig = GenerationConfig()
+  output: str | None = None
+  warmup: bool = True
+
+
+def load_weights(rc: RunConfig) -> tuple[WeightSource, Tokenizer | None]:
+  if rc.weights == 'dummy':
+    return DummyWeights(config_lib.preset(rc.model), rc.dtype or 'float16', rc.dummy_seed), None
+  ckpt = Checkpoint(rc.checkpoint)
+  if rc.dtype is not None and rc.dtype != ckpt.dtype:
+    raise FlexjaxError(f'--dtype={rc.dtype} differs from the checkpoint\'s stored {ckpt.dtype}; '
+                       'drop --dtype, or convert with tools/convert_hf.py --dtype=' + rc.dtype)
+  if rc.model is not None:
+    want = config_lib.preset(rc.model)
+    if dataclasses.replace(want, name=ckpt.config.name) != ckpt.config:
+      raise FlexjaxError(f'--model={rc.model} does not match checkpoint {rc.checkpoint!r} '
+                         f'(layers/hidden/heads {ckpt.config.num_layers}/'
+                         f'{ckpt.config.hidden_size}/{ckpt.config.num_heads} vs '
+                         f'{want.num_layers}/{want.hidden_size}/{want.num_heads}); drop --model '
+                         'or use the matching checkpoint')
+  tokenizer = (Tokenizer(ckpt.tokenizer_path, ckpt.config.bos_token_id)
+               if ckpt.tokenizer_path else None)
+  return ckpt, tokenizer
+
+
+def synthetic_prompts(cfg: config_lib.ModelConfig, num: int, length: int, seed: int):
+  """Deterministic random prompts of `length` tokens, BOS first."""
+  rng = np.random.default_rng(seed)
+  high = min(cfg.vocab_size, 50265)  # ids beyond the OPT tokenizer's vocabulary are never seen
+  body = rng.integers(4, high, size=(num, length - 1))
+  return [[cfg.bos_token_id] + row.tolist() for row in body]
+
+
+def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | None):
+  """Reads prompts from .txt (one per line) or .jsonl ({"prompt": ...} or {"tokens": [...]})."""
+  p = Path(path)
+  if not p.is_file():
+    raise FlexjaxError(f'--prompt_file={path!r} does not exist')
+  lines = [line for line in p.read_text().splitlines() if line.strip()]
+  if not lines:
+    raise FlexjaxError(f'--prompt_file={path!r} holds no prompts')
+  texts, prompts = [], []
+  for number, line in enumerate(lines, 1):
+    if p.suffix == '.jsonl':
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise FlexjaxError(f'--prompt_file={path!r} line {number} is not JSON ({e.msg})') from None
+      if not isinstance(record, dict) or not ({'prompt', 'tokens'} & set(record)):
+        raise FlexjaxError(f'--prompt_file={path!r} line {number} needs a "prompt" or "tokens" key')
+      if 'tokens' in record:
+        ids = record['tokens']
+        if (not isinstance(ids, list) or not ids
+            or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in ids)):
+          raise FlexjaxError(f'--prompt_file={path!r} line {number}: "tokens" must be a non-empty '
+                             f'list of ids in [0, {cfg.vocab_size})')
+        texts.append(record.get('prompt'))
+        prompts.append(ids)
+        continue
+      text = record['prompt']
+    else:
+      text = line
+    if tokenizer is None:
+      raise FlexjaxError(f'--prompt_file={path!r} holds text but these weights have no tokenizer '
+                         '(dummy weights, or a checkpoint converted without tokenizer files); '
+                         'give token ids as .jsonl lines {"tokens": [...]}')
+    texts.append(text)
+    prompts.append(tokenizer.encode(text))
+  longest = max(len(ids) for ids in prompts)
+  if longest > cfg.max_positions:
+    raise FlexjaxError(f'--prompt_file={path!r} has a prompt of {longest} tokens but '
+                       f'{cfg.name} has {cfg.max_positions} positions; shorten it')
+  return prompts, texts
+
+
+def check_fits(cfg: config_lib.ModelConfig, rc: RunConfig, engine_device,
+               prompt_len: int) -> None:
+  """Refuses, before loading anything, a model whose weights and cache exceed device memory."""
+  itemsize = config_lib.np_dtype(rc.compute_dtype).itemsize  # weights live cast on the device
+  cache_item = config_lib.np_dtype(rc.cache_dtype or rc.compute_dtype).itemsize
+  seq = prompt_len + rc.generation.gen_len
+  need = (cfg.model_weight_bytes(itemsize)
+          + cfg.num_layers * cfg.kv_cache_bytes(rc.generation.batch_size, seq, cache_item))
+  have = device_memory_bytes(engine_device)
+  if have is not None and need > have:
+    raise FlexjaxError(f'{cfg.name} needs {need / 2**30:.1f} GiB for weights and KV cache on '
+                       f'{engine_device.platform} but only {have / 2**30:.1f} GiB is available; '
+                       'pick a smaller model or --gpu_batch_size (offloading is not in this '
+                       'version)')
+
+
+def device_memory_bytes(device) -> int | None:
+  """Free memory of a device: the accelerator's limit, or the host's available RAM on CPU."""
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  if stats and 'bytes_limit' in stats:
+    return int(stats['bytes_limit']) - int(stats.get('bytes_in_use', 0))
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def peak_memory(device) -> dict[str, int]:
+  """Peak bytes on the device (where the backend reports it) and the process's peak RSS."""
+  out = {'host_peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  if stats and 'peak_bytes_in_use' in stats:
+    out['device_peak_bytes'] = int(stats['peak_bytes_in_use'])
+  return out
+
+
+def run(rc: RunConfig) -> dict[str, Any]:
+  """Runs the job; returns the report (also what main prints)."""
+  import jax
+
+  source, tokenizer = load_weights(rc)
+  cfg = source.config
+  if rc.prompt_file:
+    prompts, texts = load_prompts(rc.prompt_file, cfg, tokenizer)
+  else:
+    if rc.prompt_len > cfg.max_positions:
+      raise FlexjaxError(f'--prompt_len={rc.prompt_len} exceeds the {cfg.max_positions} '
+                         f'positions of {cfg.name}; use a shorter prompt')
+    prompts = synthetic_prompts(cfg, rc.num_prompts, rc.prompt_len, seed=rc.generation.seed)
+    texts = [None] * len(prompts)
+  prompt_len = max(len(p) for p in prompts)
+  total = prompt_len + rc.generation.gen_len - 1
+  if total > cfg.max_positions:
+    raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
+                       f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
+                       'shorten one of them')
+  device = jax.devices()[0]
+  check_fits(cfg, rc, device, prompt_len)
+  engine = Engine(source, compute_dtype=rc.compute_dtype, cache_dtype=rc.cache_dtype, device=device)
+  result = engine.generate(prompts, rc.generation, warmup=rc.warmup)
+  if rc.output:
+    write_outputs(rc.output, prompts, texts, result, tokenizer)
+  return report(rc, engine, result)
+
+
+def report(rc: RunConfig, engine: Engine, result: GenerationResult) -> dict[str, Any]:
+  return {
+      'model': engine.config.name,
+      'weights': rc.weights,
+      'device': f'{engine.device.platform}:{engine.device.device_kind}',
+      'weight_dtype': engine.weight_dtype,
+      'compute_dtype': engine.compute_dtype,
+      'cache_dtype': engine.cache_dtype,
+      'policy': 'all on device',
+      'num_prompts': result.num_prompts,
+      'gpu_batch_size': rc.generation.batch_size,
+      'prompt_len': result.prompt_len,
+      'gen_len': result.gen_len,
+      'generated_tokens': result.generated_tokens,
+      'prefill_s': round(result.prefill_s, 4),
+      'decode_s': round(result.decode_s, 4),
+      'prefill_tok_s': round(result.prefill_throughput, 3),
+      'decode_tok_s': round(result.decode_throughput, 3),
+      'total_tok_s': round(result.total_throughput, 3),
+      **peak_memory(engine.device),
+  }
+
+
+def write_outputs(path: str, prompts, texts, result: GenerationResult,
+                  tokenizer: Tokenizer | None) -> None:
+  """Writes one JSON line per prompt, atomically (temp file in the same folder, then rename)."""
+  target = Path(path).absolute()
+  target.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=f'.{target.name}.', dir=target.parent)
+  try:
+    with os.fdopen(fd, 'w') as f:
+      for ids, text, seq in zip(prompts, texts, result.sequences):
+        record = {'prompt': text, 'prompt_tokens': list(map(int, ids)),
+                  'output_tokens': seq.tolist()}
+        if tokenizer is not None:
+          record['output'] = tokenizer.decode(seq)
+        f.write(json.dumps(record) + '\n')
+    os.replace(tmp, target)
+  except BaseException:
+    Path(tmp).unlink(missing_ok=True)
+    raise
