@@ -246,7 +246,13 @@ class Engine:
 
   # ---- helpers ----------------------------------------------------------------------------------
   def _put(self, array: np.ndarray) -> jax.Array:
-    return jax.device_put(array, self.device)
+    """Places a small per-step input on the device.
+
+    On the CPU backend device_put may alias an aligned numpy buffer instead of copying it, and
+    dispatch is asynchronous: a caller that later mutates its array (the cache mask grows every
+    step) would change an input of a computation still in flight. So inputs are copied first.
+    """
+    return jax.device_put(np.array(array, copy=True), self.device)
 
   def _check_length(self, total: int) -> None:
     if total > self.config.max_positions:

@@ -1,0 +1,103 @@
+"""Tiny random OPT models saved by transformers, converted by flexjax: shared test fixtures."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch')  # CI installs the test extras; this only guards bare installs
+transformers = pytest.importorskip('transformers')
+
+from flexjax.checkpoint import Checkpoint  # noqa: E402
+from flexjax.engine import Engine  # noqa: E402
+from flexjax.hf_import import convert  # noqa: E402
+
+# name -> OPTConfig fields. Shapes cover pre/post LayerNorm, project_in/out (350m style), an odd
+# head count and vocabularies that are not multiples of 8.
+TINY_SHAPES = {
+    'pre_ln': dict(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
+                   vocab_size=1000),
+    'post_ln_proj': dict(hidden_size=48, num_attention_heads=4, ffn_dim=96, num_hidden_layers=2,
+                         vocab_size=1001, word_embed_proj_dim=32, do_layer_norm_before=False),
+    'odd_heads': dict(hidden_size=40, num_attention_heads=5, ffn_dim=72, num_hidden_layers=3,
+                      vocab_size=997),
+}
+
+
+@dataclasses.dataclass
+class TinyModel:
+  name: str
+  hf_dir: Path
+  ckpt_dir: Path
+  torch_model: object
+
+  def engine(self, **kw) -> Engine:
+    return Engine(Checkpoint(self.ckpt_dir), **kw)
+
+
+def make_hf_model(shape: dict, seed: int = 0):
+  """A random OPTForCausalLM whose every parameter (biases, LayerNorms) is non-trivial."""
+  torch.manual_seed(seed)
+  config = transformers.OPTConfig(max_position_embeddings=64, pad_token_id=1, bos_token_id=2,
+                                  eos_token_id=2, **shape)
+  model = transformers.OPTForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if 'layer_norm' in name and name.endswith('weight'):
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+      else:
+        p.copy_(0.08 * torch.randn_like(p))
+  return model
+
+
+def save_tokenizer(directory: Path) -> None:
+  """A small byte-level BPE tokenizer (vocab.json + merges.txt), trained on a few sentences."""
+  import tokenizers
+  tok = tokenizers.ByteLevelBPETokenizer()
+  text = ['Paris is the capital city of France.', 'The quick brown fox jumps over the lazy dog.',
+          'flexjax streams weights layer by layer.'] * 20
+  tok.train_from_iterator(text, vocab_size=400, min_frequency=1, show_progress=False,
+                          special_tokens=['<s>', '<pad>', '</s>', '<unk>'])
+  tok.save_model(str(directory))
+
+
+@pytest.fixture(scope='session', params=list(TINY_SHAPES))
+def tiny(request, tmp_path_factory) -> TinyModel:
+  """Each tiny shape: HF directory (safetensors + tokenizer) and its fp32 flexjax checkpoint."""
+  root = tmp_path_factory.mktemp(request.param)
+  model = make_hf_model(TINY_SHAPES[request.param])
+  model.save_pretrained(root / 'hf')
+  save_tokenizer(root / 'hf')
+  convert(root / 'hf', root / 'ckpt', dtype='float32', progress=False)
+  return TinyModel(request.param, root / 'hf', root / 'ckpt', model)
+
+
+@pytest.fixture(scope='session')
+def pre_ln(tmp_path_factory) -> TinyModel:
+  """The pre-LN tiny model alone, for tests that need one model."""
+  root = tmp_path_factory.mktemp('pre_ln_single')
+  model = make_hf_model(TINY_SHAPES['pre_ln'])
+  model.save_pretrained(root / 'hf')
+  save_tokenizer(root / 'hf')
+  convert(root / 'hf', root / 'ckpt', dtype='float32', progress=False)
+  return TinyModel('pre_ln', root / 'hf', root / 'ckpt', model)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 1):
+  """Left-padded torch inputs as transformers expects them."""
+  s = max(map(len, prompts))
+  ids = torch.tensor([[pad_id] * (s - len(p)) + p for p in prompts])
+  mask = torch.tensor([[0] * (s - len(p)) + [1] * len(p) for p in prompts])
+  return ids, mask
+
+
+# Prompts of different lengths (BOS first), within every tiny vocabulary.
+PROMPTS = [[2, 17, 400, 33, 9, 250, 71], [2, 5, 6], [2, 900, 11, 12, 13], [2, 44]]
+
+
+def hf_logits(model, ids, mask) -> np.ndarray:
+  with torch.no_grad():
+    return model(input_ids=ids, attention_mask=mask).logits.numpy()
