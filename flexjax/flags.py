@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from absl import flags
+from absl import logging as absl_logging
 
 from flexjax.config import DTYPES, PRESETS
 from flexjax.engine import GenerationConfig
@@ -84,3 +85,9 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       prompt_file=fv.prompt_file, prompt_len=fv.prompt_len,
       num_prompts=fv.num_prompts or fv.gpu_batch_size, generation=gen, output=fv.output,
       warmup=fv.warmup)
+
+
+def quiet_library_logs(fv: flags.FlagValues = flags.FLAGS) -> None:
+  """Hides libraries' INFO logs (orbax, jax) unless the user set --verbosity."""
+  if not fv['verbosity'].present:
+    absl_logging.set_verbosity(absl_logging.WARNING)

@@ -15,7 +15,8 @@ def main(argv) -> int:
     print(f'flexjax: error: unexpected arguments {argv[1:]}; every option is a --flag',
           file=sys.stderr)
     return 2
-  logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no probing chatter
+  flags_lib.quiet_library_logs()
+  logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no backend probing chatter
   from flexjax.run import run
   try:
     rc = flags_lib.run_config_from_flags()

@@ -54,7 +54,9 @@ def load_weights(rc: RunConfig) -> tuple[WeightSource, Tokenizer | None]:
                          f'{ckpt.config.hidden_size}/{ckpt.config.num_heads} vs '
                          f'{want.num_layers}/{want.hidden_size}/{want.num_heads}); drop --model '
                          'or use the matching checkpoint')
-  tokenizer = (Tokenizer(ckpt.tokenizer_path, ckpt.config.bos_token_id)
+  cfg = ckpt.config
+  tokenizer = (Tokenizer(ckpt.tokenizer_path, bos_token_id=cfg.bos_token_id,
+                         special_ids=(cfg.eos_token_id, cfg.pad_token_id))
                if ckpt.tokenizer_path else None)
   return ckpt, tokenizer
 

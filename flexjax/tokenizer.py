@@ -11,11 +11,14 @@ from flexjax.errors import FlexjaxError
 class Tokenizer:
   """OPT tokenizer: byte-level BPE; prompts start with the BOS token, as OPT was trained."""
 
-  def __init__(self, path: str | os.PathLike, bos_token_id: int):
+  def __init__(self, path: str | os.PathLike, *, bos_token_id: int,
+               special_ids: tuple[int, ...] = ()):
+    """special_ids (BOS, EOS, pad) are left out when decoding."""
     import tokenizers
 
     path = Path(path)
     self.bos_token_id = bos_token_id
+    self._special = {bos_token_id, *special_ids}
     if (path / 'tokenizer.json').is_file():
       self._tok = tokenizers.Tokenizer.from_file(str(path / 'tokenizer.json'))
     elif (path / 'vocab.json').is_file() and (path / 'merges.txt').is_file():
@@ -29,4 +32,5 @@ class Tokenizer:
     return [self.bos_token_id] + self._tok.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    return self._tok.decode([int(i) for i in ids if int(i) not in self._special],
+                            skip_special_tokens=True)

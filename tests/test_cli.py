@@ -1,0 +1,112 @@
+"""The command line: every shipped flagfile parses; bad input gets one line naming the value."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from absl import flags
+
+from flexjax import flags as flags_lib
+from flexjax.config import preset
+from flexjax.errors import FlexjaxError
+
+REPO = Path(__file__).resolve().parents[1]
+FLAGFILES = sorted((REPO / 'configs').glob('*.flags'))
+
+
+def parse(*args):
+  fv = flags.FlagValues()
+  flags_lib.define_flags(fv)
+  fv(['flexjax', *args])
+  return fv
+
+
+def test_there_is_a_flagfile_for_every_preset_and_opt30b():
+  models = {parse(f'--flagfile={f}').model for f in FLAGFILES}
+  assert models == {'opt-125m', 'opt-350m', 'opt-1.3b', 'opt-2.7b', 'opt-6.7b', 'opt-13b',
+                    'opt-30b', 'opt-66b', 'opt-175b'}
+  assert (REPO / 'configs' / 'opt30b.flags') in FLAGFILES
+
+
+@pytest.mark.parametrize('flagfile', FLAGFILES, ids=lambda p: p.name)
+def test_flagfile_parses_into_a_run_config(flagfile):
+  rc = flags_lib.run_config_from_flags(parse(f'--flagfile={flagfile}'))
+  assert preset(rc.model).name == rc.model
+  assert rc.generation.gen_len > 0 and rc.prompt_len > 0
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--gen_len=0'], '--gen_len=0'),
+    (['--prompt_len=-3'], '--prompt_len=-3'),
+    (['--gpu_batch_size=0'], '--gpu_batch_size=0'),
+    (['--num_prompts=0'], '--num_prompts=0'),
+    (['--w_gpu_percent=50'], '--w_gpu_percent=50'),
+    (['--cpu_attention'], '--cpu_attention=True'),
+    (['--weights=checkpoint'], '--checkpoint=PATH'),
+    (['--top_p=0'], 'top_p=0.0'),
+])
+def test_bad_flags_are_refused_in_process(args, message):
+  with pytest.raises(FlexjaxError, match=message.replace('.', r'\.')):
+    flags_lib.run_config_from_flags(parse(*args))
+
+
+def run_cli(*args, cwd=None):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, '-m', 'flexjax.main', *args], capture_output=True,
+                        text=True, env=env, cwd=cwd or REPO, timeout=300)
+
+
+def test_main_runs_the_default_flagfile_and_writes_outputs(tmp_path):
+  out = tmp_path / 'gen.jsonl'
+  proc = run_cli(f'--flagfile={REPO / "configs/opt125m.flags"}', '--prompt_len=8', '--gen_len=3',
+                 '--gpu_batch_size=2', '--num_prompts=3', f'--output={out}', '--nowarmup')
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report['model'] == 'opt-125m' and report['generated_tokens'] == 9
+  assert report['total_tok_s'] > 0
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(lines) == 3 and all(len(r['output_tokens']) == 3 for r in lines)
+  assert [p.name for p in tmp_path.iterdir()] == ['gen.jsonl']  # no temp file left
+
+
+def test_main_with_a_checkpoint_and_text_prompts(pre_ln, tmp_path):
+  prompts = tmp_path / 'prompts.txt'
+  prompts.write_text('Paris is the capital\nThe quick brown fox jumps\n')
+  out = tmp_path / 'gen.jsonl'
+  proc = run_cli('--weights=checkpoint', f'--checkpoint={pre_ln.ckpt_dir}',
+                 f'--prompt_file={prompts}', '--gen_len=4', '--gpu_batch_size=2',
+                 f'--output={out}')
+  assert proc.returncode == 0, proc.stderr
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r['prompt'] for r in lines] == ['Paris is the capital', 'The quick brown fox jumps']
+  assert all(isinstance(r['output'], str) and r['prompt_tokens'][0] == 2 for r in lines)
+
+
+def _one_line_error(proc, *needles):
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, proc.stderr
+  assert 'Traceback' not in proc.stderr
+  for needle in needles:
+    assert needle in lines[0], lines[0]
+
+
+def test_cli_errors_are_one_line(pre_ln, tmp_path):
+  _one_line_error(run_cli('--model=opt-7b'), "'opt-7b'", 'opt-125m')
+  _one_line_error(run_cli('--weights=checkpoint', f'--checkpoint={tmp_path / "none"}'),
+                  str(tmp_path / 'none'), 'does not exist')
+  corrupt = tmp_path / 'corrupt'
+  corrupt.mkdir()
+  (corrupt / 'flexjax.json').write_text('not json')
+  _one_line_error(run_cli('--weights=checkpoint', f'--checkpoint={corrupt}'), 'corrupt')
+  _one_line_error(run_cli('--weights=checkpoint', f'--checkpoint={pre_ln.ckpt_dir}',
+                          '--model=opt-125m'), '--model=opt-125m', 'does not match')
+  _one_line_error(run_cli('--prompt_len=5000'), '--prompt_len=5000', '2048')
+  _one_line_error(run_cli('--weights=checkpoint', f'--checkpoint={pre_ln.ckpt_dir}',
+                          '--prompt_len=60', '--gen_len=10'), '64')
+  _one_line_error(run_cli('--gen_len=0'), '--gen_len=0')
+  _one_line_error(run_cli('--gpu_batch_size=-1'), '--gpu_batch_size=-1')
+  _one_line_error(run_cli('--w_gpu_percent=20'), '--w_gpu_percent=20')
