@@ -1,30 +1,35 @@
-"""Generation engine: streams stages onto the device, runs prefill and decode, samples, times."""
+"""Generation engine: executes the block schedule over weights, KV cache and hidden states placed
+across device, host and disk, with loads and stores overlapped with compute on worker threads.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
-import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexjax import memory
 from flexjax.config import ModelConfig, np_dtype
 from flexjax.errors import FlexjaxError
 from flexjax.model import opt
 from flexjax.model import params as params_lib
+from flexjax.policy import Policy
+from flexjax.schedule import Step, block_schedule
+from flexjax.storage import TIERS, SplitArray, Storage
 from flexjax.weights import WeightSource
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-  """What to generate: lengths, batching and sampling."""
+  """What to generate: length and sampling. (How to batch it is the Policy's business.)"""
 
   gen_len: int = 32
-  batch_size: int = 1
   temperature: float = 0.0  # 0: greedy
   top_p: float = 1.0
   seed: int = 0
@@ -33,8 +38,6 @@ class GenerationConfig:
   def __post_init__(self):
     if self.gen_len <= 0:
       raise FlexjaxError(f'gen_len={self.gen_len} must be a positive number of new tokens')
-    if self.batch_size <= 0:
-      raise FlexjaxError(f'batch_size={self.batch_size} must be positive')
     if self.temperature < 0:
       raise FlexjaxError(f'temperature={self.temperature} must be >= 0 (0 means greedy)')
     if not 0 < self.top_p <= 1:
@@ -53,6 +56,9 @@ class GenerationResult:
   generated_tokens: int  # rows x decode steps actually computed
   prefill_s: float
   decode_s: float
+  peak_bytes: dict[str, int]  # per tier, as accounted by the runtime
+  planned_peak_bytes: dict[str, int]  # per tier, as predicted before allocating
+  weight_loads: dict[str, int]  # per stage: times its weights were brought to the device
   logits: np.ndarray | None = None  # [num_prompts, gen_len, vocab] float32 when asked for
 
   @property
@@ -87,172 +93,501 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
   return tokens, mask
 
 
-class Engine:
-  """Runs an OPT model whose weights all live on one device.
+class _Inline:
+  """Runs submitted work at once on the caller's thread (the no-overlap executor)."""
 
-  Weights are read in the source's storage dtype, moved to the device as stored, and cast there
-  to the compute dtype once, at load. (Casting per step instead made opt-125m decode 2.8x slower
-  on the CPU backend: XLA:CPU does not fuse the fp16->fp32 cast into its matmuls.)
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
+
+  def shutdown(self, wait=True, cancel_futures=False):
+    del wait, cancel_futures
+
+
+@dataclasses.dataclass
+class _Batch:
+  """Host-side state of one GPU batch of a block, and its hidden states and KV caches."""
+
+  tokens: np.ndarray  # [b, s] prompt ids
+  mask: np.ndarray  # [b, s]
+  real_rows: int  # rows that are prompts (the rest pad the last block)
+  cache_mask: np.ndarray  # [b, t]
+  positions: np.ndarray  # [b] position of the first generated token
+  out: np.ndarray  # [b, gen_len]
+  finished: np.ndarray  # [b]
+  logits: np.ndarray | None
+  hidden: SplitArray
+  caches: list[tuple[SplitArray, SplitArray]]
+  steps: int = 0
+
+
+class Engine:
+  """Runs an OPT model under an offloading Policy, within per-tier byte budgets.
+
+  Weights are read once from the source and placed: device tensors are cast to the compute dtype
+  and stay; host tensors stay in the storage dtype in RAM; disk tensors go to files under the
+  offload folder. Non-resident tensors are brought to the device once per block for each stage
+  and cast there. Use as a context manager (or call close()) so the offload folder is removed.
 
   Args:
-    weights: where stages are read from (a Checkpoint or DummyWeights).
+    weights: a Checkpoint or DummyWeights.
+    policy: placement and schedule (default: everything on the device, one GPU batch of 8).
     compute_dtype: dtype of the layer math (float32 is fastest and exact on the CPU backend).
-    cache_dtype: dtype of the KV cache (default: compute_dtype).
-    device: a jax device (default: the first one).
+    cache_dtype: KV cache dtype (default: compute_dtype).
+    budgets: bytes per tier ('device', 'host', 'disk'); None or a missing key: unlimited.
+    offload_dir: parent of the run's offload folder (default: the system temp folder).
+    drop_page_cache: drop offloaded files from the OS page cache after each access, so disk reads
+      are real reads (benchmarks).
   """
 
-  def __init__(self, weights: WeightSource, *, compute_dtype: str = 'float32', cache_dtype: str | None = None,
-               device: jax.Device | None = None):
+  def __init__(self, weights: WeightSource, *, policy: Policy = Policy(),
+               compute_dtype: str = 'float32', cache_dtype: str | None = None,
+               device: jax.Device | None = None, budgets: dict[str, int | None] | None = None,
+               offload_dir: str | None = None, drop_page_cache: bool = False):
     self._source = weights
     self.config: ModelConfig = weights.config
+    self.policy = policy
     self.weight_dtype = weights.dtype
     self.compute_dtype = compute_dtype
     self.cache_dtype = cache_dtype or compute_dtype
     self.device = device or jax.devices()[0]
+    self.cpu = jax.devices('cpu')[0]
+    self.sizes = memory.Itemsizes(storage=np_dtype(self.weight_dtype).itemsize,
+                                  compute=np_dtype(compute_dtype).itemsize,
+                                  cache=np_dtype(self.cache_dtype).itemsize)
+    self.storage = Storage(self.device, budgets, offload_dir=offload_dir,
+                           drop_page_cache=drop_page_cache)
+    self._check_budgets(memory.weight_bytes(self.config, policy, self.sizes).__dict__,
+                        what='the weights alone')
+    self._jit()
+    self._workers: dict[str, object] = {}
+    self.stats = _new_stats(self.config)
+    try:
+      self._stages = [self._place_stage(name) for name in memory.stage_names(self.config)]
+    except BaseException:
+      self.close()
+      raise
+
+  # ---- setup ------------------------------------------------------------------------------------
+  def _jit(self) -> None:
     cfg = self.config
-    self._np_compute_dtype = np_dtype(compute_dtype)
-    kw = dict(cfg=cfg, compute_dtype=np_dtype(compute_dtype))
+    kw = dict(cfg=cfg, compute_dtype=np_dtype(self.compute_dtype))
     cache_kw = dict(kw, cache_dtype=np_dtype(self.cache_dtype))
     self._embed = jax.jit(functools.partial(opt.embed, **kw))
     self._head = jax.jit(functools.partial(opt.head, **kw))
     self._prefill = jax.jit(functools.partial(opt.decoder_prefill, **cache_kw))
-    self._decode = jax.jit(functools.partial(opt.decoder_decode, **cache_kw))
+    self._qkv = jax.jit(functools.partial(opt.decode_qkv, **cache_kw))
+    self._attend = jax.jit(functools.partial(opt.decode_attend, cfg=cfg))
+    self._out = jax.jit(functools.partial(opt.decode_out, **kw))
     self._write_kv = jax.jit(_write_kv, donate_argnums=(0,))
-    self._new_cache = jax.jit(_new_cache, static_argnums=(1,))
     self._sample = jax.jit(_next_token, static_argnames=('temperature', 'top_p'))
+    self._cast = jax.jit(lambda a: a.astype(np_dtype(self.compute_dtype)))
 
-    tokens = self._load('tokens')['tokens']
-    self._in_params = dict(self._load('embed'), tokens=tokens)
-    self._out_params = dict(self._load('head'), tokens=tokens)
-    self._layers = [self._load(params_lib.layer_name(i)) for i in range(cfg.num_layers)]
+  def _place_stage(self, stage: str) -> dict:
+    """Reads a stage from the source and puts each tensor on its tier."""
+    cfg = self.config
+    source_stages = (['tokens', stage] if stage in ('embed', 'head') else [stage])
+    host = {}
+    for name in source_stages:
+      host.update(params_lib.flatten(self._source.read(name)))
+    placed = {}
+    for path, tier in memory.place_stage(cfg, stage, self.policy).items():
+      array = np.asarray(host[path])
+      if tier == 'device':
+        self.storage.accounts['device'].reserve(array.size * self.sizes.compute)
+        placed[path] = ('device', self._cast(jax.device_put(array, self.device)))
+      elif tier == 'host':
+        kept = self.storage.host_array(array.shape, array.dtype)
+        kept[...] = array
+        placed[path] = ('host', kept)
+      else:
+        disk = self.storage.disk_array(array.shape, array.dtype)
+        disk.write(..., array)
+        placed[path] = ('disk', disk)
+    return placed
 
-  def _load(self, stage: str):
-    """Reads one stage from the source, moves it to the device and casts it there."""
-    host = self._source.read(stage)
-    return jax.tree_util.tree_map(
-        lambda a: jax.device_put(a, self.device).astype(self._np_compute_dtype), host)
+  def _check_budgets(self, need: dict[str, int], what: str) -> None:
+    for tier in TIERS:
+      budget = self.storage.accounts[tier].budget
+      if budget is not None and need[tier] > budget:
+        raise FlexjaxError(
+            f'{what} need {need[tier]:,} bytes ({need[tier] / 2**30:.2f} GiB) on the {tier} but '
+            f'its budget is {budget:,} ({budget / 2**30:.2f} GiB), short by '
+            f'{need[tier] - budget:,}; raise the {tier} budget or move more to other tiers '
+            f'(policy {self.policy.describe()})')
 
-  # ---- forward pieces ---------------------------------------------------------------------------
-  def _prefill_batch(self, tokens: jax.Array, mask: jax.Array, cache_len: int):
-    """Prompt pass. Returns hidden [b, s, h] after all layers and per-layer (k, v) caches."""
-    x = self._embed(self._in_params, tokens, opt.positions_from_mask(mask))
-    caches = []
-    for layer in self._layers:
-      x, (k, v) = self._prefill(layer, x, mask)
-      caches.append((self._new_cache(k, cache_len), self._new_cache(v, cache_len)))
-    return x, caches
+  def __enter__(self) -> 'Engine':
+    return self
 
-  def _decode_step(self, token: jax.Array, position: jax.Array, caches, cache_mask: jax.Array,
-                   slot: int):
-    """One new token per row. token, position: [b, 1]. Writes K/V into `slot` of each cache."""
-    x = self._embed(self._in_params, token, position)
-    new_caches = []
-    for layer, (k_cache, v_cache) in zip(self._layers, caches):
-      x, (k, v) = self._decode(layer, x, k_cache, v_cache, cache_mask)
-      new_caches.append((self._write_kv(k_cache, k, slot), self._write_kv(v_cache, v, slot)))
-    return x, new_caches
+  def __exit__(self, *exc) -> None:
+    self.close()
 
-  def score(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """Logits of every position of left-padded sequences: [b, s] -> [b, s, vocab] float32."""
-    tokens = np.asarray(tokens, np.int32)
-    mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
-    self._check_length(tokens.shape[1])
-    x, _ = self._prefill_batch(self._put(tokens), self._put(mask), cache_len=tokens.shape[1])
-    return np.asarray(self._head(self._out_params, x))
+  def close(self) -> None:
+    """Stops the workers and removes the offload folder."""
+    self._stop_workers()
+    self.storage.close()
+
+  def _stop_workers(self) -> None:
+    for worker in self._workers.values():
+      worker.shutdown(wait=True, cancel_futures=True)
+    self._workers = {}
+
+  # ---- weights ----------------------------------------------------------------------------------
+  def _load_weights(self, index: int):
+    """Brings a stage's weights to the device. Returns (params, device bytes to release)."""
+    tree, loaded = {}, 0
+    for path, (tier, value) in self._stages[index].items():
+      if tier == 'device':
+        tree[path] = value
+        continue
+      nbytes = int(np.prod(value.shape)) * self.sizes.compute
+      self.storage.accounts['device'].reserve(nbytes)
+      loaded += nbytes
+      if tier == 'host':
+        tree[path] = self._cast(self.storage.to_device(value, private=True))
+      else:
+        staged = value.nbytes
+        self.storage.accounts['host'].reserve(staged)
+        try:
+          tree[path] = self._cast(self.storage.to_device(value.read(), private=True))
+          tree[path].block_until_ready()  # the staging copy may be reused only after this
+        finally:
+          self.storage.free('host', staged)
+    self.stats['weight_loads'][memory.stage_names(self.config)[index]] += 1
+    return _unflatten(tree), loaded
 
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
-               warmup: bool = False, return_logits: bool = False) -> GenerationResult:
+               policy: Policy | None = None, warmup: bool = False,
+               return_logits: bool = False) -> GenerationResult:
     """Generates `gen.gen_len` tokens for each prompt (token ids, BOS included).
 
-    Prompts are left-padded to the longest one and processed `gen.batch_size` at a time.
+    Prompts are left-padded to the longest one and processed a block (policy.block_size
+    prompts) at a time with the zig-zag block schedule.
+
+    Args:
+      policy: batch geometry, cache/hidden placement, overlap and CPU attention for this call
+        (default: the engine's); its weight percentages must equal the engine's, which placed
+        the weights at construction.
     """
+    policy = policy or self.policy
+    if (policy.w_gpu_percent, policy.w_cpu_percent) != (self.policy.w_gpu_percent,
+                                                        self.policy.w_cpu_percent):
+      raise FlexjaxError(f'policy w_gpu_percent/w_cpu_percent={policy.w_gpu_percent:g}/'
+                         f'{policy.w_cpu_percent:g} differ from the engine\'s '
+                         f'{self.policy.w_gpu_percent:g}/{self.policy.w_cpu_percent:g}; weights '
+                         'are placed when the engine is built: build another engine')
+    placed_policy, self.policy = self.policy, policy
+    try:
+      return self._generate(prompts, gen, warmup=warmup, return_logits=return_logits)
+    finally:
+      self.policy = placed_policy
+      self._stop_workers()
+
+  def _generate(self, prompts, gen: GenerationConfig, *, warmup: bool,
+                return_logits: bool) -> GenerationResult:
+    cfg, policy = self.config, self.policy
     if not prompts:
       raise FlexjaxError('no prompts given; pass at least one prompt')
     prompt_len = max(len(p) for p in prompts)
     if prompt_len == 0:
       raise FlexjaxError('all prompts are empty; each prompt needs at least one token')
     self._check_length(prompt_len + gen.gen_len - 1)
-    tokens, mask = pad_prompts(prompts, prompt_len, self.config.pad_token_id)
-    n = len(prompts)
-    b = gen.batch_size
-    padded_n = -(-n // b) * b
-    tokens = np.concatenate([tokens, np.full((padded_n - n, prompt_len), self.config.pad_token_id,
+    planned = memory.peak_bytes(cfg, policy, self.sizes, prompt_len=prompt_len,
+                                gen_len=gen.gen_len)
+    self._check_budgets(planned, what='the weights, KV cache and hidden states')
+    n, block = len(prompts), policy.block_size
+    tokens, mask = pad_prompts(prompts, prompt_len, cfg.pad_token_id)
+    padded_n = -(-n // block) * block
+    tokens = np.concatenate([tokens, np.full((padded_n - n, prompt_len), cfg.pad_token_id,
                                              np.int32)])
     mask = np.concatenate([mask, np.zeros((padded_n - n, prompt_len), bool)])
-    if warmup:  # compile every shape on the first batch, untimed
-      self._run_batch(tokens[:b], mask[:b], gen, batch_index=0, max_steps=2, return_logits=False)
+    self._workers = ({'load': concurrent.futures.ThreadPoolExecutor(1, 'flexjax-load'),
+                        'weights': concurrent.futures.ThreadPoolExecutor(1, 'flexjax-weights'),
+                        'store': concurrent.futures.ThreadPoolExecutor(1, 'flexjax-store')}
+                       if policy.overlap else {'load': _Inline(), 'weights': _Inline(),
+                                               'store': _Inline()})
+    if warmup:  # compile every shape on the first block, untimed
+      self._run_block(tokens[:block], mask[:block], n, gen, 0, max_steps=2, return_logits=False)
+    self.stats = _new_stats(cfg)
+    for account in self.storage.accounts.values():
+      account.peak = account.current
 
-    out_tokens, out_logits, prefill_s, decode_s, steps_run = [], [], 0.0, 0.0, 0
-    for i in range(0, padded_n, b):
-      res = self._run_batch(tokens[i:i + b], mask[i:i + b], gen, batch_index=i // b,
-                            max_steps=gen.gen_len, return_logits=return_logits)
-      out_tokens.append(res['tokens'])
-      out_logits.append(res['logits'])
+    outs, logits, prefill_s, decode_s, generated = [], [], 0.0, 0.0, 0
+    for start in range(0, padded_n, block):
+      res = self._run_block(tokens[start:start + block], mask[start:start + block],
+                            n - start, gen, start // block, max_steps=gen.gen_len,
+                            return_logits=return_logits)
+      outs.append(res['tokens'])
+      logits.append(res['logits'])
       prefill_s += res['prefill_s']
       decode_s += res['decode_s']
-      steps_run += res['steps'] * min(b, n - i)
-    all_tokens = np.concatenate(out_tokens)[:n]
+      generated += res['generated']
+    all_tokens = np.concatenate(outs)[:n]
     return GenerationResult(
         tokens=all_tokens,
-        sequences=[_trim(row, self.config.eos_token_id, gen.stop_at_eos) for row in all_tokens],
-        num_prompts=n, prompt_len=prompt_len, gen_len=gen.gen_len, generated_tokens=steps_run,
-        prefill_s=prefill_s, decode_s=decode_s,
-        logits=np.concatenate(out_logits)[:n] if return_logits else None)
+        sequences=[_trim(row, cfg.eos_token_id, gen.stop_at_eos) for row in all_tokens],
+        num_prompts=n, prompt_len=prompt_len, gen_len=gen.gen_len, generated_tokens=generated,
+        prefill_s=prefill_s, decode_s=decode_s, peak_bytes=self.storage.peaks(),
+        planned_peak_bytes=planned, weight_loads=dict(self.stats['weight_loads']),
+        logits=np.concatenate(logits)[:n] if return_logits else None)
 
-  def _run_batch(self, tokens: np.ndarray, mask: np.ndarray, gen: GenerationConfig, *,
-                 batch_index: int, max_steps: int, return_logits: bool) -> dict:
-    cfg = self.config
-    b, s = tokens.shape
-    cache_len = s + gen.gen_len - 1
-    key = jax.random.fold_in(jax.random.key(gen.seed), batch_index)
-    sample = functools.partial(self._sample, temperature=gen.temperature, top_p=gen.top_p)
-    out = np.full((b, gen.gen_len), cfg.pad_token_id, np.int32)
-    logits_out = np.zeros((b, gen.gen_len, cfg.vocab_size), np.float32) if return_logits else None
-    finished = np.zeros(b, bool)
+  def _new_batches(self, tokens, mask, real_rows, gen, return_logits) -> list[_Batch]:
+    cfg, policy = self.config, self.policy
+    b, s = policy.gpu_batch_size, tokens.shape[1]
+    t = s + gen.gen_len - 1
+    cache_rows, act_rows = policy.rows('cache'), policy.rows('act')
+    batches = []
+    for k in range(policy.num_gpu_batches):
+      rows = slice(k * b, (k + 1) * b)
+      cache_mask = np.zeros((b, t), bool)
+      cache_mask[:, :s] = mask[rows]
+      caches = [tuple(SplitArray(self.storage, (b, t, cfg.hidden_size), np_dtype(self.cache_dtype),
+                                 cache_rows, preallocate_device=True) for _ in range(2))
+                for _ in range(cfg.num_layers)]
+      batches.append(_Batch(
+          tokens=tokens[rows], mask=mask[rows], real_rows=max(0, min(b, real_rows - k * b)),
+          cache_mask=cache_mask, positions=mask[rows].sum(axis=1).astype(np.int32),
+          out=np.full((b, gen.gen_len), cfg.pad_token_id, np.int32),
+          finished=np.zeros(b, bool),
+          logits=(np.zeros((b, gen.gen_len, cfg.vocab_size), np.float32) if return_logits
+                  else None),
+          hidden=SplitArray(self.storage, (b, s, cfg.hidden_size), np_dtype(self.compute_dtype),
+                            act_rows, preallocate_device=False),
+          caches=caches))
+    return batches
 
+  def _run_block(self, tokens, mask, real_rows, gen, block_index, *, max_steps,
+                 return_logits) -> dict:
+    """Runs one block through the schedule. Returns its tokens, logits, timings."""
+    batches = self._new_batches(tokens, mask, real_rows, gen, return_logits)
+    key = jax.random.fold_in(jax.random.key(gen.seed), block_index)
+    try:
+      prefill_s, decode_s = self._execute(batches, gen, key, max_steps)
+    finally:
+      for batch in batches:
+        for pair in batch.caches:
+          for array in pair:
+            array.wait()
+            array.close()
+        batch.hidden.wait()
+        batch.hidden.close()
+    generated = sum(batch.steps * batch.real_rows for batch in batches)
+    return dict(tokens=np.concatenate([batch.out for batch in batches]),
+                logits=(np.concatenate([batch.logits for batch in batches]) if return_logits
+                        else None),
+                prefill_s=prefill_s, decode_s=decode_s, generated=generated)
+
+  def _execute(self, batches: list[_Batch], gen: GenerationConfig, key, max_steps: int):
+    """The executor of the block schedule: load j+1 / compute j / store j-1.
+
+    Under overlap, the next stage's weights load on one thread while every GPU batch of this
+    stage computes, the next step's hidden and cache rows load on another once this step is
+    dispatched (jax dispatch is asynchronous), and offloaded results are written back on a third.
+    Without overlap, each load runs just before its use and each step is waited for.
+    """
+    overlap = self.policy.overlap
+    steps = list(block_schedule(max_steps, len(self._stages), len(batches)))
+    load, load_weights = self._workers['load'], self._workers['weights']
+    weights: dict[int, concurrent.futures.Future] = {}
+    inputs: dict[Step, concurrent.futures.Future] = {}
+    current: tuple | None = None  # (params, device bytes loaded)
     start = time.perf_counter()
-    x, caches = self._prefill_batch(self._put(tokens), self._put(mask), cache_len)
-    logits = self._head(self._out_params, x[:, -1:])[:, 0]
-    token = np.asarray(sample(logits, jax.random.fold_in(key, 0)))
-    prefill_s = time.perf_counter() - start
+    prefill_s = 0.0
+    try:
+      for n, step in enumerate(steps):
+        batch = batches[step.batch]
+        if step.batch == 0:  # a new stage
+          if current is not None:
+            self.storage.free('device', current[1])
+            current = None
+          future = weights.pop(step.stage, None) or load_weights.submit(self._load_weights,
+                                                                        step.stage)
+          current = future.result()
+          upcoming = next((s for s in steps[n + 1:] if s.stage != step.stage), None)
+          if overlap and upcoming is not None:
+            weights[upcoming.stage] = load_weights.submit(self._load_weights, upcoming.stage)
+        future = inputs.pop(step, None) or load.submit(self._load_inputs, step, batches)
+        self._compute(step, batch, current[0], future.result(), gen, key)
+        if overlap and n + 1 < len(steps):
+          inputs[steps[n + 1]] = load.submit(self._load_inputs, steps[n + 1], batches)
+        elif not overlap:
+          jax.block_until_ready(batch.hidden.device)
+          batch.hidden.wait()
+        if step.stage == len(self._stages) - 1 and step.batch == len(batches) - 1:
+          self._end_token(step.token, batches)
+          if step.token == 0:
+            prefill_s = time.perf_counter() - start
+          if gen.stop_at_eos and all(b.finished[:b.real_rows].all() for b in batches):
+            break
+    finally:
+      for future in inputs.values():
+        _release(future.result(), self.storage)
+      for future in weights.values():
+        self.storage.free('device', future.result()[1])
+      if current is not None:
+        self.storage.free('device', current[1])
+    return prefill_s, time.perf_counter() - start - prefill_s
 
-    cache_mask = np.zeros((b, cache_len), bool)
-    cache_mask[:, :s] = mask
-    next_position = mask.sum(axis=1).astype(np.int32)  # position of the first generated token
-    steps = 0
-    start = time.perf_counter()
-    for step in range(max_steps):
-      token = np.where(finished, cfg.pad_token_id, token)
-      out[:, step] = token
-      if return_logits:
-        logits_out[:, step] = np.asarray(logits)
-      steps = step + 1
+  # ---- per-step work ----------------------------------------------------------------------------
+  def _load_inputs(self, step: Step, batches: list[_Batch]) -> dict:
+    """Brings a step's offloaded hidden rows and (decode) offloaded cache rows to where the
+    computation needs them. Runs on the load thread under overlap."""
+    batch = batches[step.batch]
+    out = {'held': []}
+    if step.stage > 0:
+      out['hidden'] = self._read_hidden(batch.hidden, 1 if step.token else batch.tokens.shape[1],
+                                        out['held'])
+    layer = step.stage - 1
+    if step.token > 0 and 0 <= layer < self.config.num_layers:
+      k_cache, v_cache = batch.caches[layer]
+      if k_cache.offloaded_rows:
+        out['cache'] = tuple(self._read_cache(c, out['held']) for c in (k_cache, v_cache))
+    return out
+
+  def _read_hidden(self, hidden: SplitArray, length: int, held: list) -> jax.Array:
+    if not hidden.offloaded_rows:
+      hidden.wait()
+      return hidden.device
+    staged = hidden.rows['disk'] * length * hidden.shape[2] * hidden.dtype.itemsize
+    self.storage.accounts['host'].reserve(staged)
+    try:
+      rows = hidden.read_offloaded(length)
+    finally:
+      self.storage.free('host', staged)
+    nbytes = rows.nbytes
+    self.storage.accounts['device'].reserve(nbytes)
+    held.append(('device', nbytes))
+    loaded = self.storage.to_device(rows, private=False)
+    if hidden.rows['device']:
+      return jnp.concatenate([hidden.device, loaded])
+    return loaded
+
+  def _read_cache(self, cache: SplitArray, held: list):
+    """Offloaded cache rows: a host array (CPU attention) or a device copy."""
+    staged = cache.disk.nbytes if cache.disk is not None else 0
+    self.storage.accounts['host'].reserve(staged)
+    held.append(('host', staged))
+    rows = cache.read_offloaded(cache.shape[1])
+    if self.policy.cpu_attention:
+      return jax.device_put(rows, self.cpu)  # may alias host rows: read before the next write
+    self.storage.accounts['device'].reserve(rows.nbytes)
+    held.append(('device', rows.nbytes))
+    return self.storage.to_device(rows, private=False)
+
+  def _compute(self, step: Step, batch: _Batch, params, inputs: dict, gen, key) -> None:
+    stage, token = step.stage, step.token
+    last = len(self._stages) - 1
+    s = batch.tokens.shape[1]
+    if stage == 0:
+      if token == 0:
+        ids, positions = batch.tokens, np.cumsum(batch.mask, axis=1) * batch.mask - 1
+      else:
+        ids = batch.out[:, token - 1:token]
+        positions = (batch.positions + token - 1)[:, None]
+      y = self._embed(params, self._put(ids), self._put(positions))
+    elif stage == last:
+      x = inputs['hidden']
+      logits = self._head(params, x[:, -1:])[:, 0]
+      sample = self._sample(logits, jax.random.fold_in(key, token), temperature=gen.temperature,
+                            top_p=gen.top_p)
+      batch.out[:, token] = np.where(batch.finished, self.config.pad_token_id, np.asarray(sample))
+      if batch.logits is not None:
+        batch.logits[:, token] = np.asarray(logits)
+      batch.steps = token + 1
       if gen.stop_at_eos:
-        finished |= token == cfg.eos_token_id
-        if finished.all():
-          break
-      if step + 1 == max_steps:
-        break
-      x, caches = self._decode_step(self._put(token[:, None]),
-                                    self._put((next_position + step)[:, None]), caches,
-                                    self._put(cache_mask), slot=s + step)
-      cache_mask[:, s + step] = True
-      logits = self._head(self._out_params, x)[:, 0]
-      token = np.asarray(sample(logits, jax.random.fold_in(key, step + 1)))
-    decode_s = time.perf_counter() - start
-    return dict(tokens=out, logits=logits_out, prefill_s=prefill_s, decode_s=decode_s,
-                steps=steps)
+        batch.finished |= batch.out[:, token] == self.config.eos_token_id
+      _release(inputs, self.storage)
+      return
+    else:
+      layer = stage - 1
+      x = inputs['hidden']
+      k_cache, v_cache = batch.caches[layer]
+      if token == 0:
+        y, (k, v) = self._prefill(params, x, self._put(batch.mask))
+        slot = 0
+      else:
+        y, (k, v) = self._decode(params, x, batch, k_cache, v_cache, inputs.get('cache'))
+        slot = s + token - 1
+      _release(inputs, self.storage)
+      self._store_cache(k_cache, k, slot)
+      self._store_cache(v_cache, v, slot)
+      self._store_hidden(batch.hidden, y)
+      return
+    _release(inputs, self.storage)
+    self._store_hidden(batch.hidden, y)
+
+  def _decode(self, params, x, batch: _Batch, k_cache: SplitArray, v_cache: SplitArray, loaded):
+    """A decode step of one layer; attention of offloaded rows runs where `loaded` lives."""
+    q, k, v = self._qkv(params, x)
+    mask = self._put(batch.cache_mask)
+    d = k_cache.rows['device']
+    parts = []
+    if d:
+      parts.append(self._attend(q[:d], k[:d], v[:d], k_cache.device, v_cache.device, mask[:d]))
+    if loaded is not None:
+      if self.policy.cpu_attention:
+        to_cpu = lambda a: jax.device_put(a[d:], self.cpu)
+        out = self._attend(to_cpu(q), to_cpu(k), to_cpu(v), loaded[0], loaded[1],
+                           jax.device_put(np.array(batch.cache_mask[d:]), self.cpu))
+        parts.append(jax.device_put(np.asarray(out), self.device))
+      else:
+        parts.append(self._attend(q[d:], k[d:], v[d:], loaded[0], loaded[1], mask[d:]))
+    attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return self._out(params, x, attn), (k[:, None], v[:, None])
+
+  def _store_cache(self, cache: SplitArray, value: jax.Array, slot: int) -> None:
+    d = cache.rows['device']
+    if d:
+      cache.device = self._write_kv(cache.device, value[:d], slot)
+    if cache.offloaded_rows:
+      cache.wait()
+      cache.pending = self._workers['store'].submit(cache.write_offloaded, value, slot)
+
+  def _store_hidden(self, hidden: SplitArray, value: jax.Array) -> None:
+    d = hidden.rows['device']
+    hidden.wait()
+    hidden.device = value if d == value.shape[0] else (value[:d] if d else None)
+    if hidden.offloaded_rows:
+      hidden.pending = self._workers['store'].submit(hidden.write_offloaded, value, 0)
+
+  def _end_token(self, token: int, batches: list[_Batch]) -> None:
+    """After the last stage of a token: the new slot of every cache becomes visible."""
+    s = batches[0].tokens.shape[1]
+    if token > 0:
+      for batch in batches:
+        batch.cache_mask[:, s + token - 1] = True
 
   # ---- helpers ----------------------------------------------------------------------------------
-  def _put(self, array: np.ndarray) -> jax.Array:
-    """Places a small per-step input on the device.
+  def score(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Logits of every position of left-padded sequences: [b, s] -> [b, s, vocab] float32.
 
-    On the CPU backend device_put may alias an aligned numpy buffer instead of copying it, and
-    dispatch is asynchronous: a caller that later mutates its array (the cache mask grows every
-    step) would change an input of a computation still in flight. So inputs are copied first.
+    Runs the stages one after another with every stage's weights loaded as the policy places
+    them (one batch, no KV cache kept).
     """
-    return jax.device_put(np.array(array, copy=True), self.device)
+    tokens = np.asarray(tokens, np.int32)
+    mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
+    self._check_length(tokens.shape[1])
+    self.stats = _new_stats(self.config)
+    x = None
+    for index in range(len(self._stages)):
+      params, loaded = self._load_weights(index)
+      try:
+        if index == 0:
+          x = self._embed(params, self._put(tokens), self._put(opt.positions_from_mask(mask)))
+        elif index == len(self._stages) - 1:
+          x = self._head(params, x)
+        else:
+          x, _ = self._prefill(params, x, self._put(mask))
+        x.block_until_ready()
+      finally:
+        self.storage.free('device', loaded)
+    return np.asarray(x)
+
+  def _put(self, array) -> jax.Array:
+    """Places a small per-step input on the device (copied: see Storage.to_device)."""
+    return self.storage.to_device(np.asarray(array), private=False)
 
   def _check_length(self, total: int) -> None:
     if total > self.config.max_positions:
@@ -261,14 +596,29 @@ class Engine:
           f'{self.config.max_positions}; shorten the prompts or --gen_len')
 
 
+def _new_stats(cfg: ModelConfig) -> dict:
+  return {'weight_loads': {name: 0 for name in memory.stage_names(cfg)}}
+
+
+def _release(inputs: dict, storage: Storage) -> None:
+  """Returns the bytes a step's loaded inputs held (once)."""
+  for tier, nbytes in inputs.pop('held', []):
+    storage.free(tier, nbytes)
+
+
+def _unflatten(flat: dict) -> dict:
+  tree: dict = {}
+  for path, value in flat.items():
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return tree
+
+
 def _write_kv(cache: jax.Array, new: jax.Array, slot) -> jax.Array:
   """Writes new [b, n, h] into cache [b, t, h] at time `slot` (the cache buffer is donated)."""
   return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), slot, axis=1)
-
-
-def _new_cache(prompt_kv: jax.Array, cache_len: int) -> jax.Array:
-  """A [b, cache_len, h] cache holding the prompt's [b, s, h] K or V in its first s slots."""
-  return jnp.pad(prompt_kv, ((0, 0), (0, cache_len - prompt_kv.shape[1]), (0, 0)))
 
 
 def _next_token(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float):

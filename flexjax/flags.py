@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from absl import flags
 from absl import logging as absl_logging
 
 from flexjax.config import DTYPES, PRESETS
 from flexjax.engine import GenerationConfig
 from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
 from flexjax.run import RunConfig
 
-# Offloading flags and the only value this version runs with; anything else is refused.
-PLACEMENT_DEFAULTS = {
-    'num_gpu_batches': 1,
-    'w_gpu_percent': 100, 'w_cpu_percent': 0,
-    'cache_gpu_percent': 100, 'cache_cpu_percent': 0,
-    'act_gpu_percent': 100, 'act_cpu_percent': 0,
-    'cpu_attention': False,
-    'overlap': True,
-    'offload_dir': '',
+# Approximation flags and the only value this version runs with; anything else is refused.
+RESERVED_DEFAULTS = {
     'compress_weight': False,
     'compress_cache': False,
 }
-
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   """Defines flexjax's flags on `fv`."""
@@ -42,31 +37,43 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       '.jsonl ({"prompt": text} or {"tokens": [ids]} per line). Default: '
                       'synthetic prompts of --prompt_len tokens.', **f)
   flags.DEFINE_integer('prompt_len', 128, 'Length of synthetic prompts (BOS included).', **f)
-  flags.DEFINE_integer('num_prompts', None, 'Number of synthetic prompts (default: '
-                       'gpu_batch_size).', **f)
+  flags.DEFINE_integer('num_prompts', None, 'Number of synthetic prompts (default: one block, '
+                       'gpu_batch_size x num_gpu_batches).', **f)
   flags.DEFINE_integer('gen_len', 32, 'New tokens per prompt.', **f)
-  flags.DEFINE_integer('gpu_batch_size', 8, 'Prompts processed together.', **f)
   flags.DEFINE_float('temperature', 0.0, 'Sampling temperature; 0 is greedy.', **f)
   flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass.', **f)
   flags.DEFINE_integer('seed', 0, 'Sampling seed.', **f)
   flags.DEFINE_bool('stop_at_eos', True, 'Stop a sequence at EOS (pads the rest).', **f)
   flags.DEFINE_string('output', None, 'Write generations here as JSON lines.', **f)
   flags.DEFINE_bool('warmup', True, 'Compile on the first batch before timing.', **f)
-  # Offloading policy (reserved: this version runs all on one device).
-  for name, default in PLACEMENT_DEFAULTS.items():
-    kind = type(default)
-    define = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, str: flags.DEFINE_string}[kind]
-    define(name, default, f'Offloading policy (this version supports only {default!r}).', **f)
+  # Offloading policy: the fields of flexjax.policy.Policy, same names.
+  flags.DEFINE_integer('gpu_batch_size', 8, 'Sequences per GPU batch.', **f)
+  flags.DEFINE_integer('num_gpu_batches', 1, 'GPU batches per block (1: row-by-row order).', **f)
+  for kind, what in (('w', 'weights'), ('cache', 'KV cache'), ('act', 'hidden states')):
+    flags.DEFINE_float(f'{kind}_gpu_percent', 100, f'Percent of the {what} on the device.', **f)
+    flags.DEFINE_float(f'{kind}_cpu_percent', 0, f'Percent of the {what} in host RAM (the rest '
+                       'of 100 goes to disk).', **f)
+  flags.DEFINE_bool('overlap', True, 'Overlap loads and stores with compute.', **f)
+  flags.DEFINE_bool('cpu_attention', False, 'Decode attention of host/disk cache rows runs on the '
+                    'CPU, next to the cache.', **f)
+  flags.DEFINE_string('offload_dir', None, 'Parent folder of the run\'s disk tier (removed at '
+                      'exit); default: the system temp folder.', **f)
+  for tier in ('gpu', 'cpu', 'disk'):
+    flags.DEFINE_float(f'{tier}_mem', None, f'Byte budget of the {tier} tier in GiB (default: '
+                       'unlimited).', **f)
+  flags.DEFINE_bool('drop_page_cache', False, 'Drop offloaded files from the OS page cache after '
+                    'each access, so disk reads are real (benchmarks).', **f)
+  for name, default in RESERVED_DEFAULTS.items():
+    flags.DEFINE_bool(name, default, 'Compression (not in this version).', **f)
 
 
 def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   """Validates parsed flags into a RunConfig; raises FlexjaxError naming the bad value."""
-  for name, default in PLACEMENT_DEFAULTS.items():
+  for name, default in RESERVED_DEFAULTS.items():
     if fv[name].value != default:
-      raise FlexjaxError(f'--{name}={fv[name].value!r}: offloading is not available in this '
-                         f'version, which keeps everything on one device; drop the flag or set '
-                         f'--{name}={default!r}')
-  for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_prompts'):
+      raise FlexjaxError(f'--{name}={fv[name].value!r}: compression is not available in this '
+                         f'version; drop the flag')
+  for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_gpu_batches', 'num_prompts'):
     value = fv[name].value
     if value is not None and value <= 0:
       raise FlexjaxError(f'--{name}={value} must be a positive integer')
@@ -75,16 +82,23 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   if fv.weights == 'dummy' and fv.checkpoint:
     raise FlexjaxError(f'--checkpoint={fv.checkpoint!r} is given with --weights=dummy; pass '
                        '--weights=checkpoint to use it')
-  gen = GenerationConfig(gen_len=fv.gen_len, batch_size=fv.gpu_batch_size,
-                         temperature=fv.temperature, top_p=fv.top_p, seed=fv.seed,
-                         stop_at_eos=fv.stop_at_eos)
+  for tier in ('gpu', 'cpu', 'disk'):
+    value = fv[f'{tier}_mem'].value
+    if value is not None and value <= 0:
+      raise FlexjaxError(f'--{tier}_mem={value} must be a positive number of GiB')
+  gen = GenerationConfig(gen_len=fv.gen_len, temperature=fv.temperature, top_p=fv.top_p,
+                         seed=fv.seed, stop_at_eos=fv.stop_at_eos)
+  policy = Policy(**{field.name: fv[field.name].value for field in dataclasses.fields(Policy)})
+  budgets = {tier: None if fv[f'{flag}_mem'].value is None else int(fv[f'{flag}_mem'].value * 2**30)
+             for tier, flag in (('device', 'gpu'), ('host', 'cpu'), ('disk', 'disk'))}
   return RunConfig(
       model=fv.model if (fv.weights == 'dummy' or fv['model'].present) else None,
       weights=fv.weights, checkpoint=fv.checkpoint, dummy_seed=fv.dummy_seed,
       dtype=fv.dtype, compute_dtype=fv.compute_dtype, cache_dtype=fv.cache_dtype,
       prompt_file=fv.prompt_file, prompt_len=fv.prompt_len,
-      num_prompts=fv.num_prompts or fv.gpu_batch_size, generation=gen, output=fv.output,
-      warmup=fv.warmup)
+      num_prompts=fv.num_prompts or policy.block_size, generation=gen, policy=policy,
+      budgets=budgets, offload_dir=fv.offload_dir, drop_page_cache=fv.drop_page_cache,
+      output=fv.output, warmup=fv.warmup)
 
 
 def quiet_library_logs(fv: flags.FlagValues = flags.FLAGS) -> None:

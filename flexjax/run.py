@@ -16,6 +16,7 @@ from flexjax import config as config_lib
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig, GenerationResult
 from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
 from flexjax.tokenizer import Tokenizer
 from flexjax.weights import DummyWeights, WeightSource
 
@@ -35,6 +36,10 @@ class RunConfig:
   prompt_len: int = 128
   num_prompts: int = 8
   generation: GenerationConfig = GenerationConfig()
+  policy: Policy = Policy()
+  budgets: dict[str, int | None] | None = None  # bytes per tier; None: unlimited
+  offload_dir: str | None = None
+  drop_page_cache: bool = False
   output: str | None = None
   warmup: bool = True
 
@@ -111,22 +116,6 @@ def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | 
   return prompts, texts
 
 
-def check_fits(cfg: config_lib.ModelConfig, rc: RunConfig, engine_device,
-               prompt_len: int) -> None:
-  """Refuses, before loading anything, a model whose weights and cache exceed device memory."""
-  itemsize = config_lib.np_dtype(rc.compute_dtype).itemsize  # weights live cast on the device
-  cache_item = config_lib.np_dtype(rc.cache_dtype or rc.compute_dtype).itemsize
-  seq = prompt_len + rc.generation.gen_len
-  need = (cfg.model_weight_bytes(itemsize)
-          + cfg.num_layers * cfg.kv_cache_bytes(rc.generation.batch_size, seq, cache_item))
-  have = device_memory_bytes(engine_device)
-  if have is not None and need > have:
-    raise FlexjaxError(f'{cfg.name} needs {need / 2**30:.1f} GiB for weights and KV cache on '
-                       f'{engine_device.platform} but only {have / 2**30:.1f} GiB is available; '
-                       'pick a smaller model or --gpu_batch_size (offloading is not in this '
-                       'version)')
-
-
 def device_memory_bytes(device) -> int | None:
   """Free memory of a device: the accelerator's limit, or the host's available RAM on CPU."""
   stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
@@ -172,9 +161,13 @@ def run(rc: RunConfig) -> dict[str, Any]:
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
   device = jax.devices()[0]
-  check_fits(cfg, rc, device, prompt_len)
-  engine = Engine(source, compute_dtype=rc.compute_dtype, cache_dtype=rc.cache_dtype, device=device)
-  result = engine.generate(prompts, rc.generation, warmup=rc.warmup)
+  budgets = dict(rc.budgets or {})
+  if budgets.get('device') is None:  # never plan past what the device has
+    budgets['device'] = device_memory_bytes(device)
+  with Engine(source, policy=rc.policy, compute_dtype=rc.compute_dtype,
+              cache_dtype=rc.cache_dtype, device=device, budgets=budgets,
+              offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache) as engine:
+    result = engine.generate(prompts, rc.generation, warmup=rc.warmup)
   if rc.output:
     write_outputs(rc.output, prompts, texts, result, tokenizer)
   return report(rc, engine, result)
@@ -188,9 +181,8 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult) -> dict[str,
       'weight_dtype': engine.weight_dtype,
       'compute_dtype': engine.compute_dtype,
       'cache_dtype': engine.cache_dtype,
-      'policy': 'all on device',
+      'policy': rc.policy.describe(),
       'num_prompts': result.num_prompts,
-      'gpu_batch_size': rc.generation.batch_size,
       'prompt_len': result.prompt_len,
       'gen_len': result.gen_len,
       'generated_tokens': result.generated_tokens,
@@ -199,6 +191,9 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult) -> dict[str,
       'prefill_tok_s': round(result.prefill_throughput, 3),
       'decode_tok_s': round(result.decode_throughput, 3),
       'total_tok_s': round(result.total_throughput, 3),
+      **{f'{tier}_peak_bytes': value for tier, value in result.peak_bytes.items()},
+      **{f'{tier}_planned_peak_bytes': value
+         for tier, value in result.planned_peak_bytes.items()},
       **peak_memory(engine.device),
   }
 

@@ -1,6 +1,7 @@
 """The command line: every shipped flagfile parses; bad input gets one line naming the value."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -43,13 +44,15 @@ def test_flagfile_parses_into_a_run_config(flagfile):
     (['--prompt_len=-3'], '--prompt_len=-3'),
     (['--gpu_batch_size=0'], '--gpu_batch_size=0'),
     (['--num_prompts=0'], '--num_prompts=0'),
-    (['--w_gpu_percent=50'], '--w_gpu_percent=50'),
-    (['--cpu_attention'], '--cpu_attention=True'),
+    (['--compress_weight'], '--compress_weight=True'),
+    (['--w_gpu_percent=70', '--w_cpu_percent=40'], 'w_gpu_percent=70.0 + w_cpu_percent=40.0'),
+    (['--num_gpu_batches=0'], '--num_gpu_batches=0'),
+    (['--cpu_mem=0'], '--cpu_mem=0.0'),
     (['--weights=checkpoint'], '--checkpoint=PATH'),
     (['--top_p=0'], 'top_p=0.0'),
 ])
 def test_bad_flags_are_refused_in_process(args, message):
-  with pytest.raises(FlexjaxError, match=message.replace('.', r'\.')):
+  with pytest.raises(FlexjaxError, match=re.escape(message)):
     flags_lib.run_config_from_flags(parse(*args))
 
 
@@ -66,6 +69,7 @@ def test_main_runs_the_default_flagfile_and_writes_outputs(tmp_path):
   assert proc.returncode == 0, proc.stderr
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   assert report['model'] == 'opt-125m' and report['generated_tokens'] == 9
+  assert report['device_peak_bytes'] <= report['device_planned_peak_bytes']
   assert report['total_tok_s'] > 0
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   assert len(lines) == 3 and all(len(r['output_tokens']) == 3 for r in lines)
@@ -109,4 +113,5 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
                           '--prompt_len=60', '--gen_len=10'), '64')
   _one_line_error(run_cli('--gen_len=0'), '--gen_len=0')
   _one_line_error(run_cli('--gpu_batch_size=-1'), '--gpu_batch_size=-1')
-  _one_line_error(run_cli('--w_gpu_percent=20'), '--w_gpu_percent=20')
+  _one_line_error(run_cli('--compress_cache'), '--compress_cache=True')
+  _one_line_error(run_cli('--gpu_mem=0.001'), 'on the device', 'short by')

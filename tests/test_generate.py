@@ -9,6 +9,7 @@ from conftest import PROMPTS, left_pad
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig, pad_prompts
 from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
 
 
 def hf_generate(model, prompts, gen_len, eos_token_id=2):
@@ -20,50 +21,50 @@ def hf_generate(model, prompts, gen_len, eos_token_id=2):
 
 
 def test_batched_greedy_equals_transformers_generate(tiny):
-  gen = GenerationConfig(gen_len=10, batch_size=4)
-  result = tiny.engine().generate(PROMPTS, gen)
+  result = tiny.engine(policy=Policy(gpu_batch_size=4)).generate(PROMPTS,
+                                                                   GenerationConfig(gen_len=10))
   np.testing.assert_array_equal(result.tokens, hf_generate(tiny.torch_model, PROMPTS, 10))
 
 
 def test_batched_greedy_equals_each_prompt_alone(tiny):
-  engine = tiny.engine()
-  batched = engine.generate(PROMPTS, GenerationConfig(gen_len=8, batch_size=3))
+  batched = tiny.engine(policy=Policy(gpu_batch_size=3)).generate(PROMPTS,
+                                                                   GenerationConfig(gen_len=8))
+  engine = tiny.engine(policy=Policy(gpu_batch_size=1))
   for i, prompt in enumerate(PROMPTS):
-    alone = engine.generate([prompt], GenerationConfig(gen_len=8, batch_size=1))
+    alone = engine.generate([prompt], GenerationConfig(gen_len=8))
     np.testing.assert_array_equal(batched.tokens[i], alone.tokens[0])
 
 
 def test_eos_stops_a_row_and_pads_the_rest(pre_ln):
   ckpt = Checkpoint(pre_ln.ckpt_dir)
-  free = Engine(ckpt).generate(PROMPTS, GenerationConfig(gen_len=8, batch_size=4,
-                                                         stop_at_eos=False))
+  policy = Policy(gpu_batch_size=4)
+  free = Engine(ckpt, policy=policy).generate(PROMPTS, GenerationConfig(gen_len=8,
+                                                                        stop_at_eos=False))
   row = free.tokens[0].tolist()
   stop = next(t for t in range(1, 8) if row[t] not in row[:t])  # first new token after step 0
   eos = row[stop]  # make it the end of sequence
   ckpt.config = dataclasses.replace(ckpt.config, eos_token_id=eos)
-  result = Engine(ckpt).generate(PROMPTS, GenerationConfig(gen_len=8, batch_size=4))
+  result = Engine(ckpt, policy=policy).generate(PROMPTS, GenerationConfig(gen_len=8))
   np.testing.assert_array_equal(result.tokens, hf_generate(pre_ln.torch_model, PROMPTS, 8, eos))
   assert result.sequences[0].tolist() == row[:stop + 1]
   assert (result.tokens[0, stop + 1:] == ckpt.config.pad_token_id).all()
 
 
 def test_sampling_is_seeded_and_varies(pre_ln):
-  engine = pre_ln.engine()
+  engine = pre_ln.engine(policy=Policy(gpu_batch_size=4))
   sample = lambda seed: engine.generate(
-      PROMPTS, GenerationConfig(gen_len=12, batch_size=4, temperature=1.5, seed=seed,
-                                stop_at_eos=False)).tokens
+      PROMPTS, GenerationConfig(gen_len=12, temperature=1.5, seed=seed, stop_at_eos=False)).tokens
   np.testing.assert_array_equal(sample(1), sample(1))
   assert (sample(1) != sample(2)).any()
-  greedy = engine.generate(PROMPTS, GenerationConfig(gen_len=12, batch_size=4,
-                                                     stop_at_eos=False)).tokens
+  greedy = engine.generate(PROMPTS, GenerationConfig(gen_len=12, stop_at_eos=False)).tokens
   nucleus_of_one = engine.generate(PROMPTS, GenerationConfig(
-      gen_len=12, batch_size=4, temperature=1.0, top_p=1e-6, stop_at_eos=False)).tokens
+      gen_len=12, temperature=1.0, top_p=1e-6, stop_at_eos=False)).tokens
   np.testing.assert_array_equal(nucleus_of_one, greedy)
 
 
 def test_throughput_follows_the_paper_definition(pre_ln):
-  result = pre_ln.engine().generate(PROMPTS, GenerationConfig(gen_len=5, batch_size=2,
-                                                              stop_at_eos=False), warmup=True)
+  result = pre_ln.engine(policy=Policy(gpu_batch_size=2)).generate(
+      PROMPTS, GenerationConfig(gen_len=5, stop_at_eos=False), warmup=True)
   assert result.generated_tokens == len(PROMPTS) * 5
   assert result.prefill_s > 0 and result.decode_s > 0
   assert result.total_throughput == pytest.approx(20 / (result.prefill_s + result.decode_s))
@@ -72,9 +73,10 @@ def test_throughput_follows_the_paper_definition(pre_ln):
 
 
 def test_partial_last_batch_and_padding(pre_ln):
-  engine = pre_ln.engine()
-  full = engine.generate(PROMPTS, GenerationConfig(gen_len=4, batch_size=4))
-  partial = engine.generate(PROMPTS, GenerationConfig(gen_len=4, batch_size=3))
+  full = pre_ln.engine(policy=Policy(gpu_batch_size=4)).generate(PROMPTS,
+                                                                  GenerationConfig(gen_len=4))
+  partial = pre_ln.engine(policy=Policy(gpu_batch_size=3)).generate(PROMPTS,
+                                                                     GenerationConfig(gen_len=4))
   np.testing.assert_array_equal(full.tokens, partial.tokens)
   tokens, mask = pad_prompts([[5, 6], [7]], 3, pad_id=1)
   np.testing.assert_array_equal(tokens, [[1, 5, 6], [1, 1, 7]])
@@ -86,8 +88,7 @@ def test_too_long_for_the_positions_is_refused(pre_ln):
     pre_ln.engine().generate([[2] * 60], GenerationConfig(gen_len=10))
 
 
-@pytest.mark.parametrize('field,value', [('gen_len', 0), ('batch_size', -2), ('top_p', 0.0),
-                                         ('temperature', -1.0)])
+@pytest.mark.parametrize('field,value', [('gen_len', 0), ('top_p', 0.0), ('temperature', -1.0)])
 def test_generation_config_rejects_bad_values(field, value):
   with pytest.raises(FlexjaxError, match=f'{field}={value}'):
     GenerationConfig(**{field: value})

@@ -7,6 +7,7 @@ import torch
 
 from conftest import PROMPTS, hf_logits, left_pad
 from flexjax.engine import GenerationConfig
+from flexjax.policy import Policy
 from flexjax.model import opt
 
 
@@ -39,9 +40,8 @@ def test_prefill_logits_match_transformers(tiny):
 
 def test_every_decode_step_logits_match_transformers(tiny):
   gen_len = 6
-  result = tiny.engine().generate(PROMPTS, GenerationConfig(gen_len=gen_len, batch_size=4,
-                                                            stop_at_eos=False),
-                                  return_logits=True)
+  result = tiny.engine(policy=Policy(gpu_batch_size=4)).generate(
+      PROMPTS, GenerationConfig(gen_len=gen_len, stop_at_eos=False), return_logits=True)
   ids, mask = left_pad(PROMPTS)
   s = ids.shape[1]
   # Feed prompt + generated tokens to transformers in one pass: position s-1+t predicts step t.

@@ -116,11 +116,13 @@ def run_flexjax(engine, *, batch_size: int, prompt_len: int, gen_len: int,
   from flexjax.engine import GenerationConfig
   from flexjax.run import peak_memory, synthetic_prompts
   prompts = synthetic_prompts(engine.config, num=batch_size, length=prompt_len, seed=0)
-  gen = GenerationConfig(gen_len=gen_len, batch_size=batch_size, stop_at_eos=False)
+  from flexjax.policy import Policy
+  gen = GenerationConfig(gen_len=gen_len, stop_at_eos=False)
+  policy = Policy(gpu_batch_size=batch_size)
   timings = []
   for i in range(repeats):
     reset_peak_rss()
-    result = engine.generate(prompts, gen, warmup=(i == 0))
+    result = engine.generate(prompts, gen, policy=policy, warmup=(i == 0))
     memory = peak_memory(engine.device)
     memory['host_peak_rss_bytes'] = host_peak_rss()
     timings.append(dict(prefill_s=result.prefill_s, decode_s=result.decode_s, **memory))

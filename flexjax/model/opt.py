@@ -142,9 +142,42 @@ def attend_decode(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax
   return out.reshape(q.shape)
 
 
+def decode_qkv(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype, cache_dtype):
+  """First part of a decode step: the new token's q, k, v.
+
+  Args:
+    x: [b, 1, hidden] hidden state of the new token.
+  Returns:
+    q [b, hidden] (scaled), k, v [b, hidden] in cache_dtype (what the cache will hold).
+  """
+  p = _cast(params, compute_dtype)
+  x = x.astype(compute_dtype)[:, 0]
+  h = layer_norm(p.get('attn_ln', {}), x, cfg.layer_norm_eps) if cfg.do_layer_norm_before else x
+  q, k, v = _qkv(p, h, cfg)
+  return q, k.astype(cache_dtype), v.astype(cache_dtype)
+
+
+def decode_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
+                  v_cache: jax.Array, cache_mask: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+  """Middle part of a decode step: attention, on whichever backend holds the cache rows."""
+  return attend_decode(q, k.astype(q.dtype), v.astype(q.dtype), k_cache, v_cache, cache_mask,
+                       cfg=cfg)
+
+
+def decode_out(params: Params, x: jax.Array, attn: jax.Array, *, cfg: ModelConfig,
+               compute_dtype) -> jax.Array:
+  """Last part of a decode step: output projection, residual, MLP. -> [b, 1, hidden]."""
+  p = _cast(params, compute_dtype)
+  x = x.astype(compute_dtype)[:, 0]
+  x = x + dense(p['o'], attn.astype(compute_dtype))
+  if not cfg.do_layer_norm_before:
+    x = layer_norm(p.get('attn_ln', {}), x, cfg.layer_norm_eps)
+  return _mlp_block(p, x, cfg)[:, None]
+
+
 def decoder_decode(params: Params, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                    cache_mask: jax.Array, *, cfg: ModelConfig, compute_dtype, cache_dtype):
-  """One decoder layer for one new token per sequence.
+  """One decoder layer for one new token per sequence (the three parts above, fused).
 
   Args:
     x: [b, 1, hidden] hidden state of the new token.
@@ -152,18 +185,7 @@ def decoder_decode(params: Params, x: jax.Array, k_cache: jax.Array, v_cache: ja
   Returns:
     (y [b, 1, hidden], (k_new, v_new)) with k_new, v_new: [b, 1, hidden] in cache_dtype.
   """
-  p = _cast(params, compute_dtype)
-  x = x.astype(compute_dtype)[:, 0]  # [b, hidden]
-  ln = p.get('attn_ln', {})
-  h = layer_norm(ln, x, cfg.layer_norm_eps) if cfg.do_layer_norm_before else x
-  q, k, v = _qkv(p, h, cfg)
-  # The new K/V are rounded to the cache dtype first, so the token attends to what later
-  # tokens will read back from the cache.
-  k, v = k.astype(cache_dtype), v.astype(cache_dtype)
-  attn = attend_decode(q, k.astype(compute_dtype), v.astype(compute_dtype), k_cache, v_cache,
-                       cache_mask, cfg=cfg)
-  x = x + dense(p['o'], attn)
-  if not cfg.do_layer_norm_before:
-    x = layer_norm(ln, x, cfg.layer_norm_eps)
-  y = _mlp_block(p, x, cfg)
-  return y[:, None], (k[:, None], v[:, None])
+  q, k, v = decode_qkv(params, x, cfg=cfg, compute_dtype=compute_dtype, cache_dtype=cache_dtype)
+  attn = decode_attend(q, k, v, k_cache, v_cache, cache_mask, cfg=cfg)
+  y = decode_out(params, x, attn, cfg=cfg, compute_dtype=compute_dtype)
+  return y, (k[:, None], v[:, None])

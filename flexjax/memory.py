@@ -1,0 +1,111 @@
+"""Weight placement per stage and the peak bytes per tier that a policy needs (exact, up front)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexjax.config import ModelConfig
+from flexjax.model import params as params_lib
+from flexjax.policy import Policy, assign_weight_tiers
+
+Path = tuple[str, ...]
+
+
+def stage_names(cfg: ModelConfig) -> list[str]:
+  """Compute stages in model order: input embedding, decoder layers, output head."""
+  return ['embed'] + [params_lib.layer_name(i) for i in range(cfg.num_layers)] + ['head']
+
+
+def stage_shapes(cfg: ModelConfig, stage: str) -> dict[Path, tuple[int, ...]]:
+  """Flat shapes of a compute stage; the tied token embedding belongs to embed and head alike."""
+  if stage in ('embed', 'head'):
+    shapes = {'tokens': cfg.tokens_shape(), **params_lib.stage_shapes(cfg, stage)}
+  else:
+    shapes = params_lib.stage_shapes(cfg, stage)
+  return params_lib.flatten(shapes)
+
+
+def place_stage(cfg: ModelConfig, stage: str, policy: Policy) -> dict[Path, str]:
+  """Tier of every tensor of a stage (tensors in sorted order, split by cumulative size)."""
+  shapes = stage_shapes(cfg, stage)
+  paths = sorted(shapes)
+  sizes = [_count(shapes[p]) for p in paths]
+  return dict(zip(paths, assign_weight_tiers(sizes, policy.w_gpu_percent, policy.w_cpu_percent)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Itemsizes:
+  storage: int  # weights on host and disk
+  compute: int  # weights on the device, hidden states
+  cache: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+  device: int  # resident on the device (compute dtype)
+  host: int  # storage dtype
+  disk: int
+  loaded_max_device: int  # the largest stage's non-resident tensors, once loaded (compute dtype)
+  loaded_max_disk: int  # the largest stage's disk tensors (storage dtype; staged in host RAM)
+
+
+def weight_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightBytes:
+  totals = {'device': 0, 'host': 0, 'disk': 0}
+  loaded_max, disk_max = 0, 0
+  for stage in stage_names(cfg):
+    shapes = stage_shapes(cfg, stage)
+    loaded, disk = 0, 0
+    for path, tier in place_stage(cfg, stage, policy).items():
+      count = _count(shapes[path])
+      totals[tier] += count * (sizes.compute if tier == 'device' else sizes.storage)
+      if tier != 'device':
+        loaded += count * sizes.compute
+      if tier == 'disk':
+        disk += count * sizes.storage
+    loaded_max, disk_max = max(loaded_max, loaded), max(disk_max, disk)
+  return WeightBytes(totals['device'], totals['host'], totals['disk'], loaded_max, disk_max)
+
+
+def peak_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, *, prompt_len: int,
+               gen_len: int) -> dict[str, int]:
+  """Peak bytes per tier of a generation run, mirroring what the engine reserves.
+
+  Device: resident weights; loaded weights of the stage in use and (with overlap) of the next;
+  the device rows of every KV cache; the device rows of every GPU batch's hidden states; and the
+  larger of the prefill working set (a GPU batch's fresh K/V before write-back) and the decode
+  working set (offloaded cache rows brought to the device for attention, unless attention runs on
+  the CPU), doubled by overlap where a load for the next batch runs during compute.
+  Host and disk: their shares of weights, caches and hidden states, plus host staging of disk
+  reads. XLA's own temporaries are not counted.
+  """
+  w = weight_bytes(cfg, policy, sizes)
+  b, g, h, L = policy.gpu_batch_size, policy.num_gpu_batches, cfg.hidden_size, cfg.num_layers
+  s, t = prompt_len, prompt_len + gen_len - 1
+  buffers = 2 if policy.overlap else 1
+  cache_rows, act_rows = policy.rows('cache'), policy.rows('act')
+  kv_row = 2 * t * h * sizes.cache  # K and V of one sequence, one layer
+  act_row = s * h * sizes.compute
+  offloaded_cache = cache_rows['host'] + cache_rows['disk']
+  offloaded_act = act_rows['host'] + act_rows['disk']
+
+  prefill_working = buffers * b * 2 * s * h * sizes.cache
+  decode_working = 0 if policy.cpu_attention else buffers * offloaded_cache * kv_row
+  device = (w.device + buffers * w.loaded_max_device
+            + L * g * cache_rows['device'] * kv_row
+            + g * act_rows['device'] * act_row
+            + buffers * offloaded_act * act_row
+            + max(prefill_working, decode_working))
+  host_staging = (buffers * w.loaded_max_disk
+                  + buffers * cache_rows['disk'] * kv_row
+                  + buffers * act_rows['disk'] * act_row)
+  host = (w.host + L * g * cache_rows['host'] * kv_row + g * act_rows['host'] * act_row
+          + host_staging)
+  disk = w.disk + L * g * cache_rows['disk'] * kv_row + g * act_rows['disk'] * act_row
+  return {'device': device, 'host': host, 'disk': disk}
+
+
+def _count(shape: tuple[int, ...]) -> int:
+  n = 1
+  for d in shape:
+    n *= d
+  return n

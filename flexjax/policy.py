@@ -1,0 +1,99 @@
+"""Offloading policy: batch geometry, placement percentages per tier, overlap, CPU attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexjax.errors import FlexjaxError
+
+TIERS = ('device', 'host', 'disk')
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Where tensors live and how the block schedule runs (FlexGen's search space, section 4.2).
+
+  Weights are placed per layer: a layer's tensors, in a fixed order, go to the device until
+  w_gpu_percent of the layer's bytes are used, then to the host up to w_cpu_percent, the rest to
+  disk. The KV cache and the hidden states are split along the batch: the first cache_gpu_percent
+  of a GPU batch's rows live on the device, the next cache_cpu_percent on the host, the rest on
+  disk (likewise act_*). The disk share is what remains of 100.
+
+  A block is num_gpu_batches GPU batches of gpu_batch_size sequences; each layer's weights are
+  brought to the device once per block. num_gpu_batches=1 is the row-by-row order of
+  DeepSpeed/Accelerate.
+  """
+
+  gpu_batch_size: int = 8
+  num_gpu_batches: int = 1
+  w_gpu_percent: float = 100
+  w_cpu_percent: float = 0
+  cache_gpu_percent: float = 100
+  cache_cpu_percent: float = 0
+  act_gpu_percent: float = 100
+  act_cpu_percent: float = 0
+  overlap: bool = True
+  cpu_attention: bool = False
+
+  def __post_init__(self):
+    for name in ('gpu_batch_size', 'num_gpu_batches'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise FlexjaxError(f'{name}={value!r} must be a positive integer')
+    for kind in ('w', 'cache', 'act'):
+      gpu, cpu = getattr(self, f'{kind}_gpu_percent'), getattr(self, f'{kind}_cpu_percent')
+      for name, value in ((f'{kind}_gpu_percent', gpu), (f'{kind}_cpu_percent', cpu)):
+        if not 0 <= value <= 100:
+          raise FlexjaxError(f'{name}={value} must be between 0 and 100')
+      if gpu + cpu > 100:
+        raise FlexjaxError(f'{kind}_gpu_percent={gpu} + {kind}_cpu_percent={cpu} exceed 100; the '
+                           'disk gets the remainder, so their sum must be <= 100')
+
+  @property
+  def block_size(self) -> int:
+    return self.gpu_batch_size * self.num_gpu_batches
+
+  @property
+  def w_disk_percent(self) -> float:
+    return 100 - self.w_gpu_percent - self.w_cpu_percent
+
+  @property
+  def cache_disk_percent(self) -> float:
+    return 100 - self.cache_gpu_percent - self.cache_cpu_percent
+
+  @property
+  def act_disk_percent(self) -> float:
+    return 100 - self.act_gpu_percent - self.act_cpu_percent
+
+  def rows(self, kind: str) -> dict[str, int]:
+    """Rows of a GPU batch per tier for 'cache' or 'act' (device, host, disk; sums to the batch)."""
+    b = self.gpu_batch_size
+    device = round(b * getattr(self, f'{kind}_gpu_percent') / 100)
+    host = min(b - device, round(b * (getattr(self, f'{kind}_gpu_percent')
+                                      + getattr(self, f'{kind}_cpu_percent')) / 100) - device)
+    return {'device': device, 'host': host, 'disk': b - device - host}
+
+  def describe(self) -> str:
+    return (f'{self.gpu_batch_size}x{self.num_gpu_batches} '
+            f'w={self.w_gpu_percent:g}/{self.w_cpu_percent:g}/{self.w_disk_percent:g} '
+            f'cache={self.cache_gpu_percent:g}/{self.cache_cpu_percent:g}/'
+            f'{self.cache_disk_percent:g} '
+            f'act={self.act_gpu_percent:g}/{self.act_cpu_percent:g}/{self.act_disk_percent:g} '
+            f'overlap={self.overlap} cpu_attention={self.cpu_attention}')
+
+
+def assign_weight_tiers(sizes: list[int], w_gpu_percent: float,
+                        w_cpu_percent: float) -> list[str]:
+  """Tier of each tensor of a layer, by where the middle of its bytes falls in the cumulative sum.
+
+  E.g. sizes [4, 1, 1, 4] with 50% on the device: the first two tensors (midpoints at 20% and 45%)
+  go to the device.
+  """
+  total = sum(sizes)
+  tiers, start = [], 0
+  for size in sizes:
+    middle = 100 * (start + size / 2) / total if total else 0
+    tiers.append('device' if middle < w_gpu_percent
+                 else 'host' if middle < w_gpu_percent + w_cpu_percent else 'disk')
+    start += size
+  return tiers

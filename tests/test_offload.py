@@ -1,0 +1,137 @@
+"""Offloading: every placement reproduces the all-device run; loads, budgets, offload folder."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS
+from flexjax.checkpoint import Checkpoint
+from flexjax.engine import Engine, GenerationConfig
+from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
+
+GEN = GenerationConfig(gen_len=6, stop_at_eos=False)
+
+POLICIES = {
+    'weights_on_disk': Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0),
+    'weights_on_host': Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=100),
+    'weights_split_3_ways': Policy(gpu_batch_size=4, w_gpu_percent=30, w_cpu_percent=40),
+    'cache_split_device_host': Policy(gpu_batch_size=4, cache_gpu_percent=50,
+                                      cache_cpu_percent=50),
+    'cache_on_disk': Policy(gpu_batch_size=4, cache_gpu_percent=0, cache_cpu_percent=0),
+    'cache_split_3_ways': Policy(gpu_batch_size=4, cache_gpu_percent=25, cache_cpu_percent=50),
+    'activations_on_host': Policy(gpu_batch_size=4, act_gpu_percent=0, act_cpu_percent=100),
+    'activations_split_3_ways': Policy(gpu_batch_size=4, act_gpu_percent=25,
+                                       act_cpu_percent=25),
+    '2x2_batches': Policy(gpu_batch_size=2, num_gpu_batches=2),
+    '1x4_batches_cache_host': Policy(gpu_batch_size=1, num_gpu_batches=4, cache_gpu_percent=0,
+                                     cache_cpu_percent=100),
+    'cpu_attention_cache_host': Policy(gpu_batch_size=4, cache_gpu_percent=0,
+                                       cache_cpu_percent=100, cpu_attention=True),
+    'cpu_attention_cache_split': Policy(gpu_batch_size=4, cache_gpu_percent=25,
+                                        cache_cpu_percent=25, cpu_attention=True),
+    'no_overlap_all_split': Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=20,
+                                   w_cpu_percent=30, cache_gpu_percent=50, cache_cpu_percent=0,
+                                   act_gpu_percent=50, act_cpu_percent=0, overlap=False),
+    'everything_off_device': Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0,
+                                    w_cpu_percent=50, cache_gpu_percent=0, cache_cpu_percent=50,
+                                    act_gpu_percent=0, act_cpu_percent=50, cpu_attention=True),
+}
+
+
+@pytest.fixture(scope='module')
+def reference(pre_ln):
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=Policy(gpu_batch_size=4)) as engine:
+    return engine.generate(PROMPTS, GEN, return_logits=True)
+
+
+@pytest.mark.parametrize('name', list(POLICIES))
+def test_placement_reproduces_the_all_device_run(pre_ln, reference, tmp_path, name):
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=POLICIES[name],
+              offload_dir=str(tmp_path)) as engine:
+    result = engine.generate(PROMPTS, GEN, return_logits=True)
+  np.testing.assert_array_equal(result.tokens, reference.tokens)
+  np.testing.assert_allclose(result.logits, reference.logits, atol=1e-5, rtol=0)
+  for tier, peak in result.peak_bytes.items():
+    assert peak <= result.planned_peak_bytes[tier], (tier, peak, result.planned_peak_bytes)
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_post_ln_model_with_everything_split(tiny, tmp_path):
+  policy = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=30, w_cpu_percent=30,
+                  cache_gpu_percent=50, cache_cpu_percent=0, act_gpu_percent=50,
+                  act_cpu_percent=25, cpu_attention=True)
+  with Engine(Checkpoint(tiny.ckpt_dir), policy=Policy(gpu_batch_size=4)) as engine:
+    want = engine.generate(PROMPTS, GEN, return_logits=True)
+  with Engine(Checkpoint(tiny.ckpt_dir), policy=policy, offload_dir=str(tmp_path)) as engine:
+    got = engine.generate(PROMPTS, GEN, return_logits=True)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('gpu_batch_size,num_gpu_batches', [(2, 2), (1, 4), (2, 1)])
+def test_weights_load_once_per_stage_per_token_per_block(pre_ln, gpu_batch_size,
+                                                         num_gpu_batches):
+  policy = Policy(gpu_batch_size=gpu_batch_size, num_gpu_batches=num_gpu_batches,
+                  w_gpu_percent=0, w_cpu_percent=100)
+  blocks = len(PROMPTS) // policy.block_size
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy) as engine:
+    result = engine.generate(PROMPTS, GenerationConfig(gen_len=5, stop_at_eos=False))
+  assert set(result.weight_loads.values()) == {5 * blocks}
+  assert len(result.weight_loads) == 2 + 2  # embed, two layers, head
+
+
+def test_too_small_budget_is_refused_before_allocating(pre_ln, tmp_path):
+  with pytest.raises(FlexjaxError, match=r'need [\d,]+ bytes .* on the device .* short by'):
+    Engine(Checkpoint(pre_ln.ckpt_dir), budgets={'device': 10_000}, offload_dir=str(tmp_path))
+  assert list(tmp_path.iterdir()) == []
+  # the weights fit, the KV cache of a large batch does not: refused at generate, before caches
+  policy = Policy(gpu_batch_size=64)
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, budgets={'device': 2_000_000}) as engine:
+    before = dict(engine.storage.peaks())
+    with pytest.raises(FlexjaxError, match='KV cache.* on the device'):
+      engine.generate(PROMPTS * 16, GEN)
+    assert engine.storage.peaks() == before
+
+
+def test_offload_dir_is_removed_after_an_exception(pre_ln, tmp_path):
+  policy = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0)
+  with pytest.raises(FlexjaxError, match='positions'):
+    with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, offload_dir=str(tmp_path)) as engine:
+      assert len(list(tmp_path.iterdir())) == 1  # the run folder with the weights
+      engine.generate([[2] * 60], GenerationConfig(gen_len=10))
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_offload_dir_is_removed_after_sigint(tmp_path):
+  offload = tmp_path / 'offload'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'flexjax.main', '--model=opt-125m', '--w_gpu_percent=0',
+       '--w_cpu_percent=0', f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400',
+       '--gpu_batch_size=2'], env=env, cwd=Path(__file__).resolve().parents[1],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 120
+  while time.time() < deadline and not (offload.is_dir() and any(offload.iterdir())):
+    time.sleep(0.2)
+  assert offload.is_dir() and any(offload.iterdir()), 'the run never created its offload folder'
+  time.sleep(2)
+  proc.send_signal(signal.SIGINT)
+  proc.communicate(timeout=120)
+  assert proc.returncode != 0
+  assert list(offload.iterdir()) == []
+
+
+def test_policy_validation():
+  with pytest.raises(FlexjaxError, match='w_gpu_percent=70 \\+ w_cpu_percent=40 exceed 100'):
+    Policy(w_gpu_percent=70, w_cpu_percent=40)
+  with pytest.raises(FlexjaxError, match='num_gpu_batches=0'):
+    Policy(num_gpu_batches=0)
+  assert Policy(gpu_batch_size=4, cache_gpu_percent=25, cache_cpu_percent=50).rows('cache') == {
+      'device': 1, 'host': 2, 'disk': 1}
