@@ -73,8 +73,12 @@ def _qkv(p: Params, x: jax.Array, cfg: ModelConfig):
 
 def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
   """Softmax in float32 over the last axis; masked entries get probability 0 (rows never NaN)."""
+  return _masked_softmax_axis(scores, mask, axis=-1)
+
+
+def _masked_softmax_axis(scores: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
   scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-  return jax.nn.softmax(scores, axis=-1)
+  return jax.nn.softmax(scores, axis=axis)
 
 
 def _mlp_block(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -133,12 +137,14 @@ def attend_decode(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax
   qh, kh, vh = (_split_heads(a, cfg) for a in (q, k_new, v_new))  # [b, n, d]
   kc = _split_heads(k_cache.astype(dtype), cfg)  # [b, t, n, d]
   vc = _split_heads(v_cache.astype(dtype), cfg)
-  past = jnp.einsum('bnd,btnd->bnt', qh, kc)
-  new = jnp.einsum('bnd,bnd->bn', qh, kh)[..., None]
-  scores = jnp.concatenate([past, new], axis=-1)  # [b, n, t + 1]
-  allowed = jnp.concatenate([cache_mask, jnp.ones_like(cache_mask[:, :1])], axis=-1)
-  probs = _masked_softmax(scores, allowed[:, None, :]).astype(dtype)
-  out = jnp.einsum('bnt,btnd->bnd', probs[..., :-1], vc) + probs[..., -1:] * vh
+  # Products and sums rather than einsums: with one query per sequence these are matrix-vector
+  # products, which XLA:CPU runs 2x faster as fused multiply-reduce than as batched matmuls.
+  past = jnp.sum(qh[:, None] * kc, axis=-1)  # [b, t, n]
+  new = jnp.sum(qh * kh, axis=-1)[:, None]  # [b, 1, n]
+  scores = jnp.concatenate([past, new], axis=1)  # [b, t + 1, n]
+  allowed = jnp.concatenate([cache_mask, jnp.ones_like(cache_mask[:, :1])], axis=1)
+  probs = _masked_softmax_axis(scores, allowed[:, :, None], axis=1).astype(dtype)
+  out = jnp.sum(probs[:, :-1, :, None] * vc, axis=1) + probs[:, -1, :, None] * vh  # [b, n, d]
   return out.reshape(q.shape)
 
 
