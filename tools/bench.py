@@ -11,17 +11,10 @@ batch·(gen_len-1) / decode_s, total tok/s = batch·gen_len / (prefill_s + decod
 
 from __future__ import annotations
 
-import datetime
 import functools
 import gc
-import importlib.metadata
 import json
-import math
 import os
-import platform
-import resource
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +24,9 @@ from absl import app, flags
 
 from flexjax import config as config_lib
 from flexjax.errors import FlexjaxError
+from tools.benchlib import (fmt_number, git_commit, host_peak_rss, machine_info, meminfo_bytes,
+                            new_run_id, read_records, reset_peak_rss, throughputs, timestamp,
+                            versions)
 
 _MODELS = flags.DEFINE_list('models', ['opt-125m'], 'OPT presets to benchmark.')
 _BATCH_SIZES = flags.DEFINE_list('batch_sizes', ['1', '8', '32'], 'Batch sizes (prompts per run).')
@@ -46,49 +42,7 @@ _RENDER = flags.DEFINE_string('render', None,
                               'Print a markdown table of this results JSONL instead of running.')
 
 
-# ---- throughput and memory -----------------------------------------------------------------------
-def throughputs(*, batch_size: int, prompt_len: int, gen_len: int, prefill_s: float,
-                decode_s: float) -> dict[str, float]:
-  """The FlexGen paper's prefill, decode and total tokens per second."""
-  return {
-      'prefill_tok_s': batch_size * prompt_len / prefill_s,
-      'decode_tok_s': batch_size * (gen_len - 1) / decode_s,
-      'total_tok_s': batch_size * gen_len / (prefill_s + decode_s),
-  }
-
-
-def reset_peak_rss() -> None:
-  """Restarts the kernel's peak-RSS counter (VmHWM) so the next reading covers one run only."""
-  try:
-    with open('/proc/self/clear_refs', 'w') as f:
-      f.write('5')
-  except OSError:
-    pass  # not Linux, or not allowed: host_peak_rss() then reports the process-lifetime peak
-
-
-def host_peak_rss() -> int:
-  """Peak resident bytes since the last reset_peak_rss() (process lifetime where unsupported)."""
-  try:
-    with open('/proc/self/status') as f:
-      for line in f:
-        if line.startswith('VmHWM:'):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _meminfo_bytes(key: str) -> int | None:
-  try:
-    with open('/proc/meminfo') as f:
-      for line in f:
-        if line.startswith(key + ':'):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
-
-
+# ---- sizes ---------------------------------------------------------------------------------------
 def check_fits(cfg: config_lib.ModelConfig, dtype: str, have: int | None, where: str) -> None:
   """Refuses a model whose weights in `dtype` exceed the `have` free bytes of `where`."""
   need = cfg.model_weight_bytes(config_lib.np_dtype(dtype).itemsize)
@@ -143,7 +97,7 @@ def _import_torch():
 def build_transformers(cfg: config_lib.ModelConfig, dtype: str, *, threads: int):
   """A randomly initialised OPTForCausalLM of `cfg`'s shapes in `dtype`, on the CPU, eval mode."""
   torch, transformers = _import_torch()
-  check_fits(cfg, dtype, _meminfo_bytes('MemAvailable'), 'host RAM')
+  check_fits(cfg, dtype, meminfo_bytes('MemAvailable'), 'host RAM')
   torch.set_num_threads(threads)
   hf_config = transformers.OPTConfig(
       hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, ffn_dim=cfg.ffn_dim,
@@ -208,53 +162,10 @@ def run_transformers(model, cfg: config_lib.ModelConfig, *, batch_size: int, pro
 
 
 # ---- records -------------------------------------------------------------------------------------
-def git_commit() -> str:
-  try:
-    out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent, timeout=10, check=True)
-    return out.stdout.strip() or 'unknown'
-  except (OSError, subprocess.SubprocessError):
-    return 'unknown'
-
-
-def _cpu_model() -> str | None:
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return None
-
-
-def machine_info() -> dict[str, Any]:
-  import jax
-  return {
-      'processor': platform.processor() or platform.machine(),
-      'cpu_model': _cpu_model(),
-      'cpu_count': os.cpu_count(),
-      'ram_bytes': _meminfo_bytes('MemTotal'),
-      'jax_device': jax.devices()[0].device_kind,
-  }
-
-
-def versions() -> dict[str, str | None]:
-  """Installed versions, read from package metadata (torch is not imported for this)."""
-  out = {}
-  for package in ('jax', 'jaxlib', 'torch', 'transformers'):
-    try:
-      out[package] = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      out[package] = None
-  return out
-
-
 def run_context(torch_threads: int) -> dict[str, Any]:
   """Fields shared by every record of one benchmark invocation."""
   return {'commit': git_commit(), 'machine': machine_info(), 'versions': versions(),
-          'torch_threads': torch_threads,
-          'run_id': datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%S.%fZ')}
+          'torch_threads': torch_threads, 'run_id': new_run_id()}
 
 
 def make_record(*, engine: str, cfg: config_lib.ModelConfig, dtype: str, batch_size: int,
@@ -271,7 +182,7 @@ def make_record(*, engine: str, cfg: config_lib.ModelConfig, dtype: str, batch_s
       'device': device if engine == 'flexjax' else 'cpu',
       'batch_size': batch_size, 'prompt_len': prompt_len, 'gen_len': gen_len, 'repeat': repeat,
       **timing, **rates, **context, 'projected': False,
-      'timestamp': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+      'timestamp': timestamp(),
   }
 
 
@@ -308,10 +219,6 @@ def _pick(records: list[dict[str, Any]]) -> dict[str, Any]:
   return runs[(len(runs) - 1) // 2]
 
 
-def _fmt(value: float | None) -> str:
-  return '—' if value is None or not math.isfinite(value) else f'{value:,.1f}'
-
-
 def render_table(records: Sequence[dict[str, Any]]) -> str:
   """A markdown table: a row per model × dtype × batch (× prompt/gen lengths), both engines side
   by side with the flexjax/transformers ratio of total tok/s."""
@@ -336,27 +243,12 @@ def render_table(records: Sequence[dict[str, Any]]) -> str:
     fx, tf = get('flexjax', 'total_tok_s'), get('transformers', 'total_tok_s')
     ratio = f'{fx / tf:.2f}x' if fx and tf else '—'
     model, dtype, batch, prompt_len, gen_len = key
-    cells = [model, dtype, str(batch), f'{prompt_len}+{gen_len}', _fmt(fx), _fmt(tf), ratio,
-             _fmt(get('flexjax', 'prefill_tok_s')), _fmt(get('transformers', 'prefill_tok_s')),
-             _fmt(get('flexjax', 'decode_tok_s')), _fmt(get('transformers', 'decode_tok_s'))]
+    rates = [get(engine, field) for field in ('prefill_tok_s', 'decode_tok_s')
+             for engine in ('flexjax', 'transformers')]
+    cells = [model, dtype, str(batch), f'{prompt_len}+{gen_len}', fmt_number(fx), fmt_number(tf),
+             ratio, *map(fmt_number, rates)]
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
-
-
-def read_records(path: str) -> list[dict[str, Any]]:
-  p = Path(path)
-  if not p.is_file():
-    raise FlexjaxError(f'--render={path!r} does not exist; pass a JSONL file written by --output')
-  records = []
-  for number, line in enumerate(p.read_text().splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError as e:
-      raise FlexjaxError(f'--render={path!r} line {number} is not JSON ({e.msg}); '
-                         'remove or fix that line') from None
-  return records
 
 
 # ---- command line --------------------------------------------------------------------------------

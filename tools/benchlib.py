@@ -1,0 +1,135 @@
+"""Benchmark tools' shared helpers: paper throughputs, peak RSS, run provenance, result files."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from flexjax.errors import FlexjaxError
+
+
+# ---- throughput and memory -----------------------------------------------------------------------
+def throughputs(*, batch_size: int, prompt_len: int, gen_len: int, prefill_s: float,
+                decode_s: float) -> dict[str, float]:
+  """The FlexGen paper's prefill, decode and total tokens per second."""
+  return {
+      'prefill_tok_s': batch_size * prompt_len / prefill_s,
+      'decode_tok_s': batch_size * (gen_len - 1) / decode_s,
+      'total_tok_s': batch_size * gen_len / (prefill_s + decode_s),
+  }
+
+
+def reset_peak_rss() -> None:
+  """Restarts the kernel's peak-RSS counter (VmHWM) so the next reading covers one run only."""
+  try:
+    with open('/proc/self/clear_refs', 'w') as f:
+      f.write('5')
+  except OSError:
+    pass  # not Linux, or not allowed: host_peak_rss() then reports the process-lifetime peak
+
+
+def host_peak_rss() -> int:
+  """Peak resident bytes since the last reset_peak_rss() (process lifetime where unsupported)."""
+  try:
+    with open('/proc/self/status') as f:
+      for line in f:
+        if line.startswith('VmHWM:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def meminfo_bytes(key: str) -> int | None:
+  """A /proc/meminfo field ('MemTotal', 'MemAvailable', ...) in bytes; None where unreadable."""
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith(key + ':'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+# ---- provenance ----------------------------------------------------------------------------------
+def git_commit() -> str:
+  try:
+    out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent, timeout=10, check=True)
+    return out.stdout.strip() or 'unknown'
+  except (OSError, subprocess.SubprocessError):
+    return 'unknown'
+
+
+def _cpu_model() -> str | None:
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return None
+
+
+def machine_info() -> dict[str, Any]:
+  import jax
+  return {
+      'processor': platform.processor() or platform.machine(),
+      'cpu_model': _cpu_model(),
+      'cpu_count': os.cpu_count(),
+      'ram_bytes': meminfo_bytes('MemTotal'),
+      'jax_device': jax.devices()[0].device_kind,
+  }
+
+
+def versions() -> dict[str, str | None]:
+  """Installed versions, read from package metadata (torch is not imported for this)."""
+  out = {}
+  for package in ('jax', 'jaxlib', 'torch', 'transformers'):
+    try:
+      out[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      out[package] = None
+  return out
+
+
+def new_run_id() -> str:
+  """A UTC timestamp naming one benchmark invocation (sorts in time order)."""
+  return datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%dT%H%M%S.%fZ')
+
+
+def timestamp() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+
+
+# ---- result files --------------------------------------------------------------------------------
+def fmt_number(value: float | None) -> str:
+  """A table cell: thousands separators and one decimal, or a dash for missing values."""
+  return '—' if value is None or not math.isfinite(value) else f'{value:,.1f}'
+
+
+def read_records(path: str) -> list[dict[str, Any]]:
+  """The JSON records of a results file (one per line; blank lines skipped)."""
+  p = Path(path)
+  if not p.is_file():
+    raise FlexjaxError(f'--render={path!r} does not exist; pass a JSONL file written by --output')
+  records = []
+  for number, line in enumerate(p.read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      raise FlexjaxError(f'--render={path!r} line {number} is not JSON ({e.msg}); '
+                         'remove or fix that line') from None
+  return records
