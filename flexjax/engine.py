@@ -19,6 +19,7 @@ from flexjax.config import ModelConfig, np_dtype
 from flexjax.errors import FlexjaxError
 from flexjax.model import opt
 from flexjax.model import params as params_lib
+from flexjax import quant as quant_lib
 from flexjax.policy import Policy
 from flexjax.schedule import Step, block_schedule
 from flexjax.storage import TIERS, SplitArray, Storage
@@ -59,6 +60,7 @@ class GenerationResult:
   peak_bytes: dict[str, int]  # per tier, as accounted by the runtime
   planned_peak_bytes: dict[str, int]  # per tier, as predicted before allocating
   weight_loads: dict[str, int]  # per stage: times its weights were brought to the device
+  bytes_moved: dict[str, int]  # from host/disk tiers: weights, k_cache, v_cache
   logits: np.ndarray | None = None  # [num_prompts, gen_len, vocab] float32 when asked for
 
   @property
@@ -178,7 +180,14 @@ class Engine:
     self._head = jax.jit(functools.partial(opt.head, **kw))
     self._prefill = jax.jit(functools.partial(opt.decoder_prefill, **cache_kw))
     self._qkv = jax.jit(functools.partial(opt.decode_qkv, **cache_kw))
-    self._attend = jax.jit(functools.partial(opt.decode_attend, cfg=cfg))
+    quant = self.policy.quant
+    cache_quant = quant if self.policy.compress_cache else None
+    self._attend = jax.jit(functools.partial(opt.decode_attend, cfg=cfg, cache_quant=cache_quant))
+    self._select = jax.jit(functools.partial(opt.decode_select, cfg=cfg, cache_quant=cache_quant),
+                           static_argnames=('keep',))
+    self._attend_selected = jax.jit(functools.partial(opt.decode_attend_selected, cfg=cfg,
+                                                      cache_quant=cache_quant))
+    self._quantize = jax.jit(functools.partial(quant_lib.quantize, config=quant))
     self._out = jax.jit(functools.partial(opt.decode_out, **kw))
     self._write_kv = jax.jit(_write_kv, donate_argnums=(0,))
     self._sample = jax.jit(_next_token, static_argnames=('temperature', 'top_p'))
@@ -194,17 +203,22 @@ class Engine:
     placed = {}
     for path, tier in memory.place_stage(cfg, stage, self.policy).items():
       array = np.asarray(host[path])
+      packed = memory.compressed(self.policy, array.shape)
+      if packed:  # quantized once, on the CPU backend; kept and moved as byte rows
+        array = np.asarray(self._quantize(jax.device_put(array, self.cpu)))
       if tier == 'device':
-        self.storage.accounts['device'].reserve(array.size * self.sizes.compute)
-        placed[path] = ('device', self._cast(jax.device_put(array, self.device)))
+        self.storage.accounts['device'].reserve(
+            array.nbytes if packed else array.size * self.sizes.compute)
+        value = jax.device_put(array, self.device)
+        value = value if packed else self._cast(value)
       elif tier == 'host':
-        kept = self.storage.host_array(array.shape, array.dtype)
-        kept[...] = array
-        placed[path] = ('host', kept)
+        value = self.storage.host_array(array.shape, array.dtype)
+        value[...] = array
       else:
-        disk = self.storage.disk_array(array.shape, array.dtype)
-        disk.write(..., array)
-        placed[path] = ('disk', disk)
+        value = self.storage.disk_array(array.shape, array.dtype)
+        value.write(..., array)
+      placed[path] = (tier, quant_lib.Packed(value, host[path].shape[-1], self.policy.quant)
+                      if packed else value)
     return placed
 
   def _check_budgets(self, need: dict[str, int], what: str) -> None:
@@ -241,19 +255,23 @@ class Engine:
       if tier == 'device':
         tree[path] = value
         continue
-      nbytes = int(np.prod(value.shape)) * self.sizes.compute
+      packed = isinstance(value, quant_lib.Packed)
+      stored = value.data if packed else value
+      nbytes = stored.nbytes if packed else int(np.prod(stored.shape)) * self.sizes.compute
       self.storage.accounts['device'].reserve(nbytes)
       loaded += nbytes
+      finish = (lambda a: quant_lib.Packed(a, value.dim, value.config)) if packed else self._cast
       if tier == 'host':
-        tree[path] = self._cast(self.storage.to_device(value, private=True))
+        tree[path] = finish(self.storage.to_device(stored, private=True))
       else:
-        staged = value.nbytes
+        staged = stored.nbytes
         self.storage.accounts['host'].reserve(staged)
         try:
-          tree[path] = self._cast(self.storage.to_device(value.read(), private=True))
-          tree[path].block_until_ready()  # the staging copy may be reused only after this
+          tree[path] = finish(self.storage.to_device(stored.read(), private=True))
+          jax.block_until_ready(tree[path])  # the staging copy may be reused only after this
         finally:
           self.storage.free('host', staged)
+      self.stats['bytes_moved']['weights'] += stored.nbytes
     self.stats['weight_loads'][memory.stage_names(self.config)[index]] += 1
     return _unflatten(tree), loaded
 
@@ -272,12 +290,13 @@ class Engine:
         the weights at construction.
     """
     policy = policy or self.policy
-    if (policy.w_gpu_percent, policy.w_cpu_percent) != (self.policy.w_gpu_percent,
-                                                        self.policy.w_cpu_percent):
-      raise FlexjaxError(f'policy w_gpu_percent/w_cpu_percent={policy.w_gpu_percent:g}/'
-                         f'{policy.w_cpu_percent:g} differ from the engine\'s '
-                         f'{self.policy.w_gpu_percent:g}/{self.policy.w_cpu_percent:g}; weights '
-                         'are placed when the engine is built: build another engine')
+    fixed = ('w_gpu_percent', 'w_cpu_percent', 'compress_weight', 'compress_cache',
+             'compress_bits', 'compress_group_size')
+    for name in fixed:
+      if getattr(policy, name) != getattr(self.policy, name):
+        raise FlexjaxError(f'policy {name}={getattr(policy, name)} differs from the engine\'s '
+                           f'{getattr(self.policy, name)}; weight placement and compression are '
+                           'fixed when the engine is built: build another engine')
     placed_policy, self.policy = self.policy, policy
     try:
       return self._generate(prompts, gen, warmup=warmup, return_logits=return_logits)
@@ -331,6 +350,7 @@ class Engine:
         num_prompts=n, prompt_len=prompt_len, gen_len=gen.gen_len, generated_tokens=generated,
         prefill_s=prefill_s, decode_s=decode_s, peak_bytes=self.storage.peaks(),
         planned_peak_bytes=planned, weight_loads=dict(self.stats['weight_loads']),
+        bytes_moved=dict(self.stats['bytes_moved']),
         logits=np.concatenate(logits)[:n] if return_logits else None)
 
   def _new_batches(self, tokens, mask, real_rows, gen, return_logits) -> list[_Batch]:
@@ -343,9 +363,11 @@ class Engine:
       rows = slice(k * b, (k + 1) * b)
       cache_mask = np.zeros((b, t), bool)
       cache_mask[:, :s] = mask[rows]
-      caches = [tuple(SplitArray(self.storage, (b, t, cfg.hidden_size), np_dtype(self.cache_dtype),
-                                 cache_rows, preallocate_device=True) for _ in range(2))
-                for _ in range(cfg.num_layers)]
+      row = memory.cache_row_bytes(cfg, policy, self.sizes)
+      shape, dtype = (((b, t, row), np.uint8) if policy.compress_cache
+                      else ((b, t, cfg.hidden_size), np_dtype(self.cache_dtype)))
+      caches = [tuple(SplitArray(self.storage, shape, dtype, cache_rows, preallocate_device=True)
+                      for _ in range(2)) for _ in range(cfg.num_layers)]
       batches.append(_Batch(
           tokens=tokens[rows], mask=mask[rows], real_rows=max(0, min(b, real_rows - k * b)),
           cache_mask=cache_mask, positions=mask[rows].sum(axis=1).astype(np.int32),
@@ -442,8 +464,10 @@ class Engine:
     layer = step.stage - 1
     if step.token > 0 and 0 <= layer < self.config.num_layers:
       k_cache, v_cache = batch.caches[layer]
-      if k_cache.offloaded_rows:
-        out['cache'] = tuple(self._read_cache(c, out['held']) for c in (k_cache, v_cache))
+      if k_cache.offloaded_rows:  # sparse attention reads V later, only the rows it keeps
+        dense = self.policy.attn_sparsity == 1
+        out['cache'] = (self._read_cache(k_cache, 'k_cache', out['held']),
+                        self._read_cache(v_cache, 'v_cache', out['held']) if dense else None)
     return out
 
   def _read_hidden(self, hidden: SplitArray, length: int, held: list) -> jax.Array:
@@ -464,12 +488,13 @@ class Engine:
       return jnp.concatenate([hidden.device, loaded])
     return loaded
 
-  def _read_cache(self, cache: SplitArray, held: list):
+  def _read_cache(self, cache: SplitArray, name: str, held: list):
     """Offloaded cache rows: a host array (CPU attention) or a device copy."""
     staged = cache.disk.nbytes if cache.disk is not None else 0
     self.storage.accounts['host'].reserve(staged)
     held.append(('host', staged))
     rows = cache.read_offloaded(cache.shape[1])
+    self.stats['bytes_moved'][name] += rows.nbytes
     if self.policy.cpu_attention:
       return jax.device_put(rows, self.cpu)  # may alias host rows: read before the next write
     self.storage.accounts['device'].reserve(rows.nbytes)
@@ -519,25 +544,47 @@ class Engine:
     self._store_hidden(batch.hidden, y)
 
   def _decode(self, params, x, batch: _Batch, k_cache: SplitArray, v_cache: SplitArray, loaded):
-    """A decode step of one layer; attention of offloaded rows runs where `loaded` lives."""
+    """A decode step of one layer. Device cache rows attend on the device; offloaded rows attend
+    where `loaded` lives (the CPU backend with cpu_attention, else the device)."""
     q, k, v = self._qkv(params, x)
-    mask = self._put(batch.cache_mask)
     d = k_cache.rows['device']
     parts = []
     if d:
-      parts.append(self._attend(q[:d], k[:d], v[:d], k_cache.device, v_cache.device, mask[:d]))
+      parts.append(self._attention(q[:d], k[:d], v[:d], k_cache.device, batch.cache_mask[:d],
+                                   v_dense=v_cache.device,
+                                   v_rows=lambda pos: _take_rows(v_cache.device, pos),
+                                   backend=self.device))
     if loaded is not None:
-      if self.policy.cpu_attention:
-        to_cpu = lambda a: jax.device_put(a[d:], self.cpu)
-        out = self._attend(to_cpu(q), to_cpu(k), to_cpu(v), loaded[0], loaded[1],
-                           jax.device_put(np.array(batch.cache_mask[d:]), self.cpu))
-        parts.append(jax.device_put(np.asarray(out), self.device))
-      else:
-        parts.append(self._attend(q[d:], k[d:], v[d:], loaded[0], loaded[1], mask[d:]))
+      backend = self.cpu if self.policy.cpu_attention else self.device
+      to = lambda a: jax.device_put(a[d:], backend)
+      out = self._attention(to(q), to(k), to(v), loaded[0], batch.cache_mask[d:],
+                            v_dense=loaded[1],
+                            v_rows=lambda pos: self._gather_v(v_cache, pos, backend),
+                            backend=backend)
+      parts.append(jax.device_put(out, self.device))
     attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return self._out(params, x, attn), (k[:, None], v[:, None])
 
+  def _attention(self, q, k, v, k_cache, cache_mask: np.ndarray, *, v_dense, v_rows, backend):
+    """Dense attention, or sparse: scores against all of K, then only the kept V rows."""
+    mask = jax.device_put(np.array(cache_mask), backend)
+    if self.policy.attn_sparsity == 1:
+      return self._attend(q, k, v, k_cache, v_dense, mask)
+    keep = memory.sparse_keep(self.policy, cache_mask.shape[1])
+    scores, positions = self._select(q, k, k_cache, mask, keep=keep)
+    return self._attend_selected(scores, positions, v_rows(positions), v)
+
+  def _gather_v(self, v_cache: SplitArray, positions: jax.Array, backend) -> jax.Array:
+    """Reads only the kept V rows of the offloaded part of a cache (host gather, disk reads)."""
+    rows = v_cache.read_offloaded_rows(np.asarray(positions))
+    self.stats['bytes_moved']['v_cache'] += rows.nbytes
+    if backend.platform == self.device.platform and backend == self.device:
+      return self.storage.to_device(rows, private=True)  # a fresh gather, never written again
+    return jax.device_put(rows, backend)
+
   def _store_cache(self, cache: SplitArray, value: jax.Array, slot: int) -> None:
+    if self.policy.compress_cache:
+      value = self._quantize(value)  # [b, n, hidden] -> byte rows [b, n, row_bytes]
     d = cache.rows['device']
     if d:
       cache.device = self._write_kv(cache.device, value[:d], slot)
@@ -597,7 +644,15 @@ class Engine:
 
 
 def _new_stats(cfg: ModelConfig) -> dict:
-  return {'weight_loads': {name: 0 for name in memory.stage_names(cfg)}}
+  return {'weight_loads': {name: 0 for name in memory.stage_names(cfg)},
+          'bytes_moved': {'weights': 0, 'k_cache': 0, 'v_cache': 0}}
+
+
+@jax.jit
+def _take_rows(cache: jax.Array, positions: jax.Array) -> jax.Array:
+  """cache [b, t, ...] rows at positions [b, keep] -> [b, keep, ...]."""
+  return jnp.take_along_axis(cache, positions.reshape(*positions.shape, *([1] * (cache.ndim - 2))),
+                             axis=1)
 
 
 def _release(inputs: dict, storage: Storage) -> None:

@@ -13,12 +13,6 @@ from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
 from flexjax.run import RunConfig
 
-# Approximation flags and the only value this version runs with; anything else is refused.
-RESERVED_DEFAULTS = {
-    'compress_weight': False,
-    'compress_cache': False,
-}
-
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   """Defines flexjax's flags on `fv`."""
   f = dict(flag_values=fv)
@@ -63,16 +57,17 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                        'unlimited).', **f)
   flags.DEFINE_bool('drop_page_cache', False, 'Drop offloaded files from the OS page cache after '
                     'each access, so disk reads are real (benchmarks).', **f)
-  for name, default in RESERVED_DEFAULTS.items():
-    flags.DEFINE_bool(name, default, 'Compression (not in this version).', **f)
+  flags.DEFINE_bool('compress_weight', False, 'Store weight matrices quantized (group-wise).',
+                    **f)
+  flags.DEFINE_bool('compress_cache', False, 'Store the KV cache quantized (group-wise).', **f)
+  flags.DEFINE_integer('compress_bits', 4, 'Bits per quantized value (2, 4 or 8).', **f)
+  flags.DEFINE_integer('compress_group_size', 64, 'Values per quantization group.', **f)
+  flags.DEFINE_float('attn_sparsity', 1.0, 'Fraction of cached positions decode attention keeps '
+                     '(top scores); 1 is dense.', **f)
 
 
 def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   """Validates parsed flags into a RunConfig; raises FlexjaxError naming the bad value."""
-  for name, default in RESERVED_DEFAULTS.items():
-    if fv[name].value != default:
-      raise FlexjaxError(f'--{name}={fv[name].value!r}: compression is not available in this '
-                         f'version; drop the flag')
   for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_gpu_batches', 'num_prompts'):
     value = fv[name].value
     if value is not None and value <= 0:

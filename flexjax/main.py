@@ -2,6 +2,7 @@
 
 import json
 import logging
+import signal
 import sys
 
 from absl import app
@@ -30,7 +31,13 @@ def main(argv) -> int:
   return 0
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+  del frame
+  sys.exit(128 + signum)  # unwinds like Ctrl-C, so the offload folder and temp files go too
+
+
 def entry() -> None:
+  signal.signal(signal.SIGTERM, _exit_on_sigterm)
   flags_lib.define_flags()
   app.run(main)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from flexjax.config import ModelConfig
 from flexjax.model import params as params_lib
@@ -25,19 +26,45 @@ def stage_shapes(cfg: ModelConfig, stage: str) -> dict[Path, tuple[int, ...]]:
   return params_lib.flatten(shapes)
 
 
-def place_stage(cfg: ModelConfig, stage: str, policy: Policy) -> dict[Path, str]:
-  """Tier of every tensor of a stage (tensors in sorted order, split by cumulative size)."""
-  shapes = stage_shapes(cfg, stage)
-  paths = sorted(shapes)
-  sizes = [_count(shapes[p]) for p in paths]
-  return dict(zip(paths, assign_weight_tiers(sizes, policy.w_gpu_percent, policy.w_cpu_percent)))
-
-
 @dataclasses.dataclass(frozen=True)
 class Itemsizes:
   storage: int  # weights on host and disk
   compute: int  # weights on the device, hidden states
   cache: int
+
+
+def compressed(policy: Policy, shape: tuple[int, ...]) -> bool:
+  """Whether a weight is stored quantized: matrices are, biases and LayerNorms are not."""
+  return policy.compress_weight and len(shape) >= 2
+
+
+def tensor_bytes(policy: Policy, sizes: Itemsizes, shape: tuple[int, ...]) -> tuple[int, int]:
+  """(bytes stored on host/disk, bytes once on the device) of one weight tensor."""
+  if compressed(policy, shape):
+    nbytes = _count(shape[:-1]) * policy.quant.row_bytes(shape[-1])
+    return nbytes, nbytes  # moved and kept compressed; dequantized inside the layer step
+  return _count(shape) * sizes.storage, _count(shape) * sizes.compute
+
+
+def cache_row_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> int:
+  """Bytes of one token's K (or V) in one layer."""
+  if policy.compress_cache:
+    return policy.quant.row_bytes(cfg.hidden_size)
+  return cfg.hidden_size * sizes.cache
+
+
+def sparse_keep(policy: Policy, cache_len: int) -> int:
+  """Cached positions kept per decode step by sparse attention."""
+  return max(1, math.ceil(policy.attn_sparsity * cache_len))
+
+
+def place_stage(cfg: ModelConfig, stage: str, policy: Policy) -> dict[Path, str]:
+  """Tier of every tensor of a stage (tensors in sorted order, split by cumulative stored size)."""
+  shapes = stage_shapes(cfg, stage)
+  paths = sorted(shapes)
+  unit = Itemsizes(1, 1, 1)
+  sizes = [tensor_bytes(policy, unit, shapes[p])[0] for p in paths]
+  return dict(zip(paths, assign_weight_tiers(sizes, policy.w_gpu_percent, policy.w_cpu_percent)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +83,12 @@ def weight_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightBy
     shapes = stage_shapes(cfg, stage)
     loaded, disk = 0, 0
     for path, tier in place_stage(cfg, stage, policy).items():
-      count = _count(shapes[path])
-      totals[tier] += count * (sizes.compute if tier == 'device' else sizes.storage)
+      stored, on_device = tensor_bytes(policy, sizes, shapes[path])
+      totals[tier] += on_device if tier == 'device' else stored
       if tier != 'device':
-        loaded += count * sizes.compute
+        loaded += on_device
       if tier == 'disk':
-        disk += count * sizes.storage
+        disk += stored
     loaded_max, disk_max = max(loaded_max, loaded), max(disk_max, disk)
   return WeightBytes(totals['device'], totals['host'], totals['disk'], loaded_max, disk_max)
 
@@ -83,20 +110,23 @@ def peak_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, *, prompt_len
   s, t = prompt_len, prompt_len + gen_len - 1
   buffers = 2 if policy.overlap else 1
   cache_rows, act_rows = policy.rows('cache'), policy.rows('act')
-  kv_row = 2 * t * h * sizes.cache  # K and V of one sequence, one layer
+  row = cache_row_bytes(cfg, policy, sizes)
+  kv_row = 2 * t * row  # K and V of one sequence, one layer
+  # offloaded rows brought where attention runs: all of K, and all of V or only the kept rows
+  kv_read = t * row + (sparse_keep(policy, t) if policy.attn_sparsity < 1 else t) * row
   act_row = s * h * sizes.compute
   offloaded_cache = cache_rows['host'] + cache_rows['disk']
   offloaded_act = act_rows['host'] + act_rows['disk']
 
   prefill_working = buffers * b * 2 * s * h * sizes.cache
-  decode_working = 0 if policy.cpu_attention else buffers * offloaded_cache * kv_row
+  decode_working = 0 if policy.cpu_attention else buffers * offloaded_cache * kv_read
   device = (w.device + buffers * w.loaded_max_device
             + L * g * cache_rows['device'] * kv_row
             + g * act_rows['device'] * act_row
             + buffers * offloaded_act * act_row
             + max(prefill_working, decode_working))
   host_staging = (buffers * w.loaded_max_disk
-                  + buffers * cache_rows['disk'] * kv_row
+                  + buffers * cache_rows['disk'] * kv_read
                   + buffers * act_rows['disk'] * act_row)
   host = (w.host + L * g * cache_rows['host'] * kv_row + g * act_rows['host'] * act_row
           + host_staging)

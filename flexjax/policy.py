@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from flexjax.errors import FlexjaxError
+from flexjax.quant import QuantConfig
 
 TIERS = ('device', 'host', 'disk')
 
@@ -22,6 +23,11 @@ class Policy:
   A block is num_gpu_batches GPU batches of gpu_batch_size sequences; each layer's weights are
   brought to the device once per block. num_gpu_batches=1 is the row-by-row order of
   DeepSpeed/Accelerate.
+
+  Approximations (section 5): compress_weight / compress_cache store weight matrices / the KV
+  cache as compress_bits-bit integers in groups of compress_group_size (in every tier, moved
+  compressed, dequantized right before use); attn_sparsity < 1 makes decode attention keep only
+  that fraction of cached positions and read only their V rows.
   """
 
   gpu_batch_size: int = 8
@@ -34,8 +40,17 @@ class Policy:
   act_cpu_percent: float = 0
   overlap: bool = True
   cpu_attention: bool = False
+  compress_weight: bool = False
+  compress_cache: bool = False
+  compress_bits: int = 4
+  compress_group_size: int = 64
+  attn_sparsity: float = 1.0
 
   def __post_init__(self):
+    QuantConfig(self.compress_bits, self.compress_group_size)  # validates
+    if not 0 < self.attn_sparsity <= 1:
+      raise FlexjaxError(f'attn_sparsity={self.attn_sparsity} must be in (0, 1]; 1 is dense '
+                         'attention, 0.1 keeps the top 10% of positions')
     for name in ('gpu_batch_size', 'num_gpu_batches'):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
@@ -48,6 +63,10 @@ class Policy:
       if gpu + cpu > 100:
         raise FlexjaxError(f'{kind}_gpu_percent={gpu} + {kind}_cpu_percent={cpu} exceed 100; the '
                            'disk gets the remainder, so their sum must be <= 100')
+
+  @property
+  def quant(self) -> QuantConfig:
+    return QuantConfig(self.compress_bits, self.compress_group_size)
 
   @property
   def block_size(self) -> int:
@@ -79,7 +98,12 @@ class Policy:
             f'cache={self.cache_gpu_percent:g}/{self.cache_cpu_percent:g}/'
             f'{self.cache_disk_percent:g} '
             f'act={self.act_gpu_percent:g}/{self.act_cpu_percent:g}/{self.act_disk_percent:g} '
-            f'overlap={self.overlap} cpu_attention={self.cpu_attention}')
+            f'overlap={self.overlap} cpu_attention={self.cpu_attention}'
+            + (f' compress_weight={self.compress_bits}b/g{self.compress_group_size}'
+               if self.compress_weight else '')
+            + (f' compress_cache={self.compress_bits}b/g{self.compress_group_size}'
+               if self.compress_cache else '')
+            + (f' attn_sparsity={self.attn_sparsity:g}' if self.attn_sparsity < 1 else ''))
 
 
 def assign_weight_tiers(sizes: list[int], w_gpu_percent: float,

@@ -221,6 +221,19 @@ class SplitArray:
       return None
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+  def read_offloaded_rows(self, positions: np.ndarray) -> np.ndarray:
+    """The offloaded rows' entries at time positions [offloaded rows, keep] -> [rows, keep, ...]
+    (a gather: only those entries are read from the disk)."""
+    self.wait()
+    h = self.rows['host']
+    parts = []
+    if self.host is not None:
+      parts.append(np.take_along_axis(self.host, positions[:h, :, None], axis=1))
+    if self.disk is not None:
+      rows = np.arange(self.rows['disk'])[:, None]
+      parts.append(self.disk.read((rows, positions[h:])))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
   def close(self) -> None:
     self.storage.free('device', self.device_bytes)
     self.device = None

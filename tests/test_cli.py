@@ -44,7 +44,8 @@ def test_flagfile_parses_into_a_run_config(flagfile):
     (['--prompt_len=-3'], '--prompt_len=-3'),
     (['--gpu_batch_size=0'], '--gpu_batch_size=0'),
     (['--num_prompts=0'], '--num_prompts=0'),
-    (['--compress_weight'], '--compress_weight=True'),
+    (['--compress_bits=3'], 'compress_bits=3'),
+    (['--attn_sparsity=0'], 'attn_sparsity=0.0'),
     (['--w_gpu_percent=70', '--w_cpu_percent=40'], 'w_gpu_percent=70.0 + w_cpu_percent=40.0'),
     (['--num_gpu_batches=0'], '--num_gpu_batches=0'),
     (['--cpu_mem=0'], '--cpu_mem=0.0'),
@@ -113,5 +114,5 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
                           '--prompt_len=60', '--gen_len=10'), '64')
   _one_line_error(run_cli('--gen_len=0'), '--gen_len=0')
   _one_line_error(run_cli('--gpu_batch_size=-1'), '--gpu_batch_size=-1')
-  _one_line_error(run_cli('--compress_cache'), '--compress_cache=True')
+  _one_line_error(run_cli('--compress_group_size=7'), 'compress_group_size=7')
   _one_line_error(run_cli('--gpu_mem=0.001'), 'on the device', 'short by')

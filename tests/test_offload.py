@@ -119,6 +119,7 @@ def test_offload_dir_is_removed_after_sigint(tmp_path):
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 120
   while time.time() < deadline and not (offload.is_dir() and any(offload.iterdir())):
+    assert proc.poll() is None, proc.communicate()[1]
     time.sleep(0.2)
   assert offload.is_dir() and any(offload.iterdir()), 'the run never created its offload folder'
   time.sleep(2)

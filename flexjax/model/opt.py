@@ -11,12 +11,23 @@ import jax
 import jax.numpy as jnp
 
 from flexjax.config import ModelConfig
+from flexjax.quant import Packed, QuantConfig, dequantize, unpack
 
 Params = dict
 
 
 def _cast(tree: Params, dtype) -> Params:
-  return jax.tree_util.tree_map(lambda a: a.astype(dtype), tree)
+  """Parameters in the compute dtype; quantized tensors are dequantized here, right before use."""
+  return jax.tree_util.tree_map(
+      lambda a: unpack(a, dtype) if isinstance(a, Packed) else a.astype(dtype), tree,
+      is_leaf=lambda a: isinstance(a, Packed))
+
+
+def load_cache(cache: jax.Array, dtype, cfg: ModelConfig, quant: QuantConfig | None) -> jax.Array:
+  """A cache array in the compute dtype: [b, t, hidden], dequantized from byte rows if needed."""
+  if quant is None:
+    return cache.astype(dtype)
+  return dequantize(cache, cfg.hidden_size, quant, dtype)
 
 
 def layer_norm(p: Params, x: jax.Array, eps: float) -> jax.Array:
@@ -164,10 +175,54 @@ def decode_qkv(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype,
 
 
 def decode_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
-                  v_cache: jax.Array, cache_mask: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+                  v_cache: jax.Array, cache_mask: jax.Array, *, cfg: ModelConfig,
+                  cache_quant: QuantConfig | None = None) -> jax.Array:
   """Middle part of a decode step: attention, on whichever backend holds the cache rows."""
-  return attend_decode(q, k.astype(q.dtype), v.astype(q.dtype), k_cache, v_cache, cache_mask,
-                       cfg=cfg)
+  kc = load_cache(k_cache, q.dtype, cfg, cache_quant)
+  vc = load_cache(v_cache, q.dtype, cfg, cache_quant)
+  return attend_decode(q, k.astype(q.dtype), v.astype(q.dtype), kc, vc, cache_mask, cfg=cfg)
+
+
+def decode_select(q: jax.Array, k: jax.Array, k_cache: jax.Array, cache_mask: jax.Array, *,
+                  cfg: ModelConfig, keep: int, cache_quant: QuantConfig | None = None):
+  """Sparse attention, first half: scores against every cached K, then the `keep` positions
+  per sequence whose largest attention probability over the heads is highest.
+
+  Positions are chosen per sequence (shared by the heads, unlike the paper's per-head choice), so
+  only `keep` whole rows of V need to be read, which also works for a quantized cache.
+  Returns (scores [b, t + 1, heads] with the new token last, masked; positions [b, keep] int32).
+  """
+  kc = _split_heads(load_cache(k_cache, q.dtype, cfg, cache_quant), cfg)  # [b, t, n, d]
+  qh, kh = _split_heads(q, cfg), _split_heads(k.astype(q.dtype), cfg)
+  past = jnp.sum(qh[:, None] * kc, axis=-1)  # [b, t, n]
+  new = jnp.sum(qh * kh, axis=-1)[:, None]
+  allowed = jnp.concatenate([cache_mask, jnp.ones_like(cache_mask[:, :1])], axis=1)[:, :, None]
+  scores = jnp.where(allowed, jnp.concatenate([past, new], axis=1).astype(jnp.float32),
+                     jnp.finfo(jnp.float32).min)
+  priority = jax.nn.softmax(scores, axis=1)[:, :-1].max(axis=-1)  # [b, t]
+  priority = jnp.where(cache_mask, priority, -1.0)
+  _, positions = jax.lax.top_k(priority, keep)
+  return scores, positions.astype(jnp.int32)
+
+
+def decode_attend_selected(scores: jax.Array, positions: jax.Array, v_selected: jax.Array,
+                           v: jax.Array, *, cfg: ModelConfig,
+                           cache_quant: QuantConfig | None = None) -> jax.Array:
+  """Sparse attention, second half: softmax over the kept positions and the new token.
+
+  Args:
+    scores: [b, t + 1, n] from decode_select; positions: [b, keep].
+    v_selected: [b, keep, hidden] (or byte rows) the V rows at `positions`; v: [b, hidden] new.
+  Returns:
+    [b, hidden] attention output.
+  """
+  dtype = jnp.float32
+  kept = jnp.take_along_axis(scores[:, :-1], positions[:, :, None], axis=1)  # [b, keep, n]
+  probs = jax.nn.softmax(jnp.concatenate([kept, scores[:, -1:]], axis=1), axis=1).astype(dtype)
+  vs = _split_heads(load_cache(v_selected, dtype, cfg, cache_quant), cfg)  # [b, keep, n, d]
+  vh = _split_heads(v.astype(dtype), cfg)
+  out = jnp.sum(probs[:, :-1, :, None] * vs, axis=1) + probs[:, -1, :, None] * vh
+  return out.reshape(v.shape)
 
 
 def decode_out(params: Params, x: jax.Array, attn: jax.Array, *, cfg: ModelConfig,
