@@ -121,6 +121,7 @@ class _Batch:
   logits: np.ndarray | None
   hidden: SplitArray
   caches: list[tuple[SplitArray, SplitArray]]
+  forced: np.ndarray | None = None  # [b, gen_len] tokens to emit instead of samples
   steps: int = 0
 
 
@@ -278,7 +279,8 @@ class Engine:
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
                policy: Policy | None = None, warmup: bool = False,
-               return_logits: bool = False) -> GenerationResult:
+               return_logits: bool = False,
+               forced_tokens: np.ndarray | None = None) -> GenerationResult:
     """Generates `gen.gen_len` tokens for each prompt (token ids, BOS included).
 
     Prompts are left-padded to the longest one and processed a block (policy.block_size
@@ -288,7 +290,15 @@ class Engine:
       policy: batch geometry, cache/hidden placement, overlap and CPU attention for this call
         (default: the engine's); its weight percentages must equal the engine's, which placed
         the weights at construction.
+      forced_tokens: [num_prompts, gen_len] ids to emit instead of sampling (teacher forcing:
+        the logits then score a given continuation through the decode path, KV cache
+        compression and sparse attention included).
     """
+    if forced_tokens is not None:
+      forced_tokens = np.asarray(forced_tokens, np.int32)
+      if forced_tokens.shape != (len(prompts), gen.gen_len):
+        raise FlexjaxError(f'forced_tokens has shape {forced_tokens.shape}; expected '
+                           f'({len(prompts)}, gen_len={gen.gen_len})')
     policy = policy or self.policy
     fixed = ('w_gpu_percent', 'w_cpu_percent', 'compress_weight', 'compress_cache',
              'compress_bits', 'compress_group_size')
@@ -299,13 +309,14 @@ class Engine:
                            'fixed when the engine is built: build another engine')
     placed_policy, self.policy = self.policy, policy
     try:
-      return self._generate(prompts, gen, warmup=warmup, return_logits=return_logits)
+      return self._generate(prompts, gen, warmup=warmup, return_logits=return_logits,
+                            forced=forced_tokens)
     finally:
       self.policy = placed_policy
       self._stop_workers()
 
-  def _generate(self, prompts, gen: GenerationConfig, *, warmup: bool,
-                return_logits: bool) -> GenerationResult:
+  def _generate(self, prompts, gen: GenerationConfig, *, warmup: bool, return_logits: bool,
+                forced: np.ndarray | None) -> GenerationResult:
     cfg, policy = self.config, self.policy
     if not prompts:
       raise FlexjaxError('no prompts given; pass at least one prompt')
@@ -322,13 +333,17 @@ class Engine:
     tokens = np.concatenate([tokens, np.full((padded_n - n, prompt_len), cfg.pad_token_id,
                                              np.int32)])
     mask = np.concatenate([mask, np.zeros((padded_n - n, prompt_len), bool)])
+    if forced is not None:
+      forced = np.concatenate([forced, np.full((padded_n - n, gen.gen_len), cfg.pad_token_id,
+                                               np.int32)])
     self._workers = ({'load': concurrent.futures.ThreadPoolExecutor(1, 'flexjax-load'),
                         'weights': concurrent.futures.ThreadPoolExecutor(1, 'flexjax-weights'),
                         'store': concurrent.futures.ThreadPoolExecutor(1, 'flexjax-store')}
                        if policy.overlap else {'load': _Inline(), 'weights': _Inline(),
                                                'store': _Inline()})
     if warmup:  # compile every shape on the first block, untimed
-      self._run_block(tokens[:block], mask[:block], n, gen, 0, max_steps=2, return_logits=False)
+      self._run_block(tokens[:block], mask[:block], n, gen, 0, max_steps=2, return_logits=False,
+                      forced=None)
     self.stats = _new_stats(cfg)
     for account in self.storage.accounts.values():
       account.peak = account.current
@@ -337,7 +352,8 @@ class Engine:
     for start in range(0, padded_n, block):
       res = self._run_block(tokens[start:start + block], mask[start:start + block],
                             n - start, gen, start // block, max_steps=gen.gen_len,
-                            return_logits=return_logits)
+                            return_logits=return_logits,
+                            forced=None if forced is None else forced[start:start + block])
       outs.append(res['tokens'])
       logits.append(res['logits'])
       prefill_s += res['prefill_s']
@@ -353,7 +369,7 @@ class Engine:
         bytes_moved=dict(self.stats['bytes_moved']),
         logits=np.concatenate(logits)[:n] if return_logits else None)
 
-  def _new_batches(self, tokens, mask, real_rows, gen, return_logits) -> list[_Batch]:
+  def _new_batches(self, tokens, mask, real_rows, gen, return_logits, forced) -> list[_Batch]:
     cfg, policy = self.config, self.policy
     b, s = policy.gpu_batch_size, tokens.shape[1]
     t = s + gen.gen_len - 1
@@ -377,13 +393,13 @@ class Engine:
                   else None),
           hidden=SplitArray(self.storage, (b, s, cfg.hidden_size), np_dtype(self.compute_dtype),
                             act_rows, preallocate_device=False),
-          caches=caches))
+          caches=caches, forced=None if forced is None else forced[rows]))
     return batches
 
   def _run_block(self, tokens, mask, real_rows, gen, block_index, *, max_steps,
-                 return_logits) -> dict:
+                 return_logits, forced) -> dict:
     """Runs one block through the schedule. Returns its tokens, logits, timings."""
-    batches = self._new_batches(tokens, mask, real_rows, gen, return_logits)
+    batches = self._new_batches(tokens, mask, real_rows, gen, return_logits, forced)
     key = jax.random.fold_in(jax.random.key(gen.seed), block_index)
     try:
       prefill_s, decode_s = self._execute(batches, gen, key, max_steps)
@@ -517,7 +533,8 @@ class Engine:
       logits = self._head(params, x[:, -1:])[:, 0]
       sample = self._sample(logits, jax.random.fold_in(key, token), temperature=gen.temperature,
                             top_p=gen.top_p)
-      batch.out[:, token] = np.where(batch.finished, self.config.pad_token_id, np.asarray(sample))
+      chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
+      batch.out[:, token] = np.where(batch.finished, self.config.pad_token_id, chosen)
       if batch.logits is not None:
         batch.logits[:, token] = np.asarray(logits)
       batch.steps = token + 1

@@ -28,8 +28,9 @@ class Tokenizer:
       raise FlexjaxError(f'no tokenizer.json or vocab.json + merges.txt in {str(path)!r}; convert '
                          'the checkpoint from a directory that has them')
 
-  def encode(self, text: str) -> list[int]:
-    return [self.bos_token_id] + self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return [self.bos_token_id] + ids if add_bos else ids
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids if int(i) not in self._special],
