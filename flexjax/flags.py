@@ -40,7 +40,13 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_bool('stop_at_eos', True, 'Stop a sequence at EOS (pads the rest).', **f)
   flags.DEFINE_string('output', None, 'Write generations here as JSON lines.', **f)
   flags.DEFINE_bool('warmup', True, 'Compile on the first batch before timing.', **f)
-  # Offloading policy: the fields of flexjax.policy.Policy, same names.
+  define_policy_flags(fv)
+
+
+def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+  """Flags of the offloading policy (the fields of flexjax.policy.Policy, same names), tier
+  budgets and the offload folder; shared by the CLI and the benchmark tools."""
+  f = dict(flag_values=fv)
   flags.DEFINE_integer('gpu_batch_size', 8, 'Sequences per GPU batch.', **f)
   flags.DEFINE_integer('num_gpu_batches', 1, 'GPU batches per block (1: row-by-row order).', **f)
   for kind, what in (('w', 'weights'), ('cache', 'KV cache'), ('act', 'hidden states')):
@@ -66,6 +72,22 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                      '(top scores); 1 is dense.', **f)
 
 
+def policy_from_flags(fv: flags.FlagValues = flags.FLAGS) -> Policy:
+  return Policy(**{field.name: fv[field.name].value for field in dataclasses.fields(Policy)})
+
+
+def budgets_from_flags(fv: flags.FlagValues = flags.FLAGS) -> dict[str, int | None]:
+  """Tier budgets in bytes from --gpu_mem/--cpu_mem/--disk_mem (GiB); None is unlimited."""
+  budgets = {}
+  for tier, flag in (('device', 'gpu_mem'), ('host', 'cpu_mem'), ('disk', 'disk_mem')):
+    value = fv[flag].value
+    if value is not None and value <= 0:
+      raise FlexjaxError(f'--{flag}={value} must be a positive number of GiB (omit it for no '
+                         'limit)')
+    budgets[tier] = None if value is None else int(value * 2**30)
+  return budgets
+
+
 def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   """Validates parsed flags into a RunConfig; raises FlexjaxError naming the bad value."""
   for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_gpu_batches', 'num_prompts'):
@@ -77,15 +99,10 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   if fv.weights == 'dummy' and fv.checkpoint:
     raise FlexjaxError(f'--checkpoint={fv.checkpoint!r} is given with --weights=dummy; pass '
                        '--weights=checkpoint to use it')
-  for tier in ('gpu', 'cpu', 'disk'):
-    value = fv[f'{tier}_mem'].value
-    if value is not None and value <= 0:
-      raise FlexjaxError(f'--{tier}_mem={value} must be a positive number of GiB')
+  budgets = budgets_from_flags(fv)
   gen = GenerationConfig(gen_len=fv.gen_len, temperature=fv.temperature, top_p=fv.top_p,
                          seed=fv.seed, stop_at_eos=fv.stop_at_eos)
-  policy = Policy(**{field.name: fv[field.name].value for field in dataclasses.fields(Policy)})
-  budgets = {tier: None if fv[f'{flag}_mem'].value is None else int(fv[f'{flag}_mem'].value * 2**30)
-             for tier, flag in (('device', 'gpu'), ('host', 'cpu'), ('disk', 'disk'))}
+  policy = policy_from_flags(fv)
   return RunConfig(
       model=fv.model if (fv.weights == 'dummy' or fv['model'].present) else None,
       weights=fv.weights, checkpoint=fv.checkpoint, dummy_seed=fv.dummy_seed,

@@ -37,6 +37,7 @@ from flexjax import memory
 from flexjax.errors import FlexjaxError
 from flexjax.model.params import layer_name
 from flexjax.policy import Policy
+from flexjax import flags as flags_lib
 from tools.benchlib import (fmt_number, git_commit, host_peak_rss, machine_info, new_run_id,
                             read_records, reset_peak_rss, throughputs, timestamp, versions)
 
@@ -55,20 +56,7 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_list('cases', ['block', 'row_by_row', 'no_overlap'],
                     'Cases: block, row_by_row, no_overlap, cpu_attention, no_cpu_attention.', **f)
   flags.DEFINE_list('page_cache', ['warm', 'dropped'], 'Page-cache modes: warm, dropped.', **f)
-  flags.DEFINE_integer('gpu_batch_size', 8, 'Sequences per GPU batch (base policy).', **f)
-  flags.DEFINE_integer('num_gpu_batches', 4, 'GPU batches per block (base policy).', **f)
-  for kind, what in (('w', 'weights'), ('cache', 'KV cache'), ('act', 'hidden states')):
-    flags.DEFINE_float(f'{kind}_gpu_percent', 100, f'Percent of the {what} on the device.', **f)
-    flags.DEFINE_float(f'{kind}_cpu_percent', 0, f'Percent of the {what} in host RAM (the rest '
-                       'of 100 goes to disk).', **f)
-  flags.DEFINE_bool('overlap', True, 'Overlap loads and stores with compute (base policy).', **f)
-  flags.DEFINE_bool('cpu_attention', False, 'Attention of offloaded cache rows on the CPU (base '
-                    'policy).', **f)
-  for tier in ('gpu', 'cpu', 'disk'):
-    flags.DEFINE_float(f'{tier}_mem', None, f'Budget of the {tier} tier in GiB (default: '
-                       'unlimited).', **f)
-  flags.DEFINE_string('offload_dir', None, 'Parent folder of the disk tier (each engine\'s run '
-                      'folder is removed when it closes); default: the system temp folder.', **f)
+  flags_lib.define_policy_flags(fv)  # the base policy, budgets, offload folder
   flags.DEFINE_string('output', None, 'JSONL file to append one line per run to.', **f)
   flags.DEFINE_string('render', None, 'Print a markdown table of this results JSONL instead of '
                       'running.', **f)
@@ -187,7 +175,8 @@ def make_record(*, cfg: config_lib.ModelConfig, base: Policy, policy: Policy, ca
       **throughputs(batch_size=result.num_prompts, prompt_len=prompt_len, gen_len=gen_len,
                     prefill_s=result.prefill_s, decode_s=decode_s),
       'peak_bytes': dict(result.peak_bytes), 'planned_peak_bytes': dict(result.planned_peak_bytes),
-      'weight_loads_per_stage': result.weight_loads[layer_name(0)], **extra,
+      'weight_loads_per_stage': result.weight_loads[layer_name(0)],
+      'bytes_moved': dict(result.bytes_moved), **extra,
       'timestamp': timestamp(),
   }
 
@@ -232,28 +221,13 @@ def render_offload_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 # ---- command line --------------------------------------------------------------------------------
-def base_policy_from_flags(fv: flags.FlagValues) -> Policy:
-  return Policy(**{field.name: fv[field.name].value for field in dataclasses.fields(Policy)})
-
-
-def budgets_from_flags(fv: flags.FlagValues) -> dict[str, int | None]:
-  budgets = {}
-  for tier, flag in (('device', 'gpu_mem'), ('host', 'cpu_mem'), ('disk', 'disk_mem')):
-    value = fv[flag].value
-    if value is not None and value <= 0:
-      raise FlexjaxError(f'--{flag}={value} must be a positive number of GiB (omit it for no '
-                         'limit)')
-    budgets[tier] = None if value is None else int(value * 2**30)
-  return budgets
-
-
 def settings_from_flags(fv: flags.FlagValues) -> dict[str, Any]:
   """Validates the flags into run_all's arguments; raises FlexjaxError naming the bad value."""
   if not fv.output:
     raise FlexjaxError('--output is required to run; e.g. --output=bench_results/offload.jsonl '
                        '(or pass --render=FILE to print a table)')
   cfg = config_lib.preset(fv.model)
-  base = base_policy_from_flags(fv)
+  base = flags_lib.policy_from_flags(fv)
   for case in fv.cases:
     case_policy(base, case)  # raises on an unknown case before anything runs
   for mode in fv.page_cache:
@@ -264,7 +238,7 @@ def settings_from_flags(fv: flags.FlagValues) -> dict[str, Any]:
   return dict(cfg=cfg, base=base, cases=list(fv.cases), page_cache_modes=list(fv.page_cache),
               prompt_len=fv.prompt_len, gen_len=fv.gen_len,
               projected_gen_len=fv.projected_gen_len, compute_dtype=fv.compute_dtype,
-              offload_dir=fv.offload_dir, budgets=budgets_from_flags(fv))
+              offload_dir=fv.offload_dir, budgets=flags_lib.budgets_from_flags(fv))
 
 
 def run_all(emit: Callable[[dict[str, Any]], None], *, cfg: config_lib.ModelConfig,
