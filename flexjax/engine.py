@@ -552,7 +552,9 @@ class Engine:
       else:
         y, (k, v) = self._decode(params, x, batch, k_cache, v_cache, inputs.get('cache'))
         slot = s + token - 1
-      _release(inputs, self.storage)
+      # The loaded inputs stay in use until the step has run (dispatch is asynchronous): their
+      # bytes are returned by the store thread once the outputs exist.
+      self._workers['store'].submit(_release_when_ready, inputs, y, self.storage)
       self._store_cache(k_cache, k, slot)
       self._store_cache(v_cache, v, slot)
       self._store_hidden(batch.hidden, y)
@@ -670,6 +672,11 @@ def _take_rows(cache: jax.Array, positions: jax.Array) -> jax.Array:
   """cache [b, t, ...] rows at positions [b, keep] -> [b, keep, ...]."""
   return jnp.take_along_axis(cache, positions.reshape(*positions.shape, *([1] * (cache.ndim - 2))),
                              axis=1)
+
+
+def _release_when_ready(inputs: dict, outputs, storage: Storage) -> None:
+  jax.block_until_ready(outputs)
+  _release(inputs, storage)
 
 
 def _release(inputs: dict, storage: Storage) -> None:

@@ -47,6 +47,15 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   """Flags of the offloading policy (the fields of flexjax.policy.Policy, same names), tier
   budgets and the offload folder; shared by the CLI and the benchmark tools."""
   f = dict(flag_values=fv)
+  flags.DEFINE_enum('policy', 'manual', ['manual', 'auto'], 'manual: the policy flags below; '
+                    'auto: search the policy with the cost model (the flags below then only fix '
+                    'overlap and the approximations).', **f)
+  flags.DEFINE_string('hw_profile', None, 'Hardware profile for the cost model: "paper-t4", a '
+                      'JSON file from tools/profile_hw.py, or unset: this machine\'s (measured '
+                      'once, cached).', **f)
+  flags.DEFINE_float('max_block_seconds', None, 'Latency limit of a block for --policy=auto.',
+                     **f)
+  flags.DEFINE_bool('dry_run', False, 'Print the policy and its prediction; do not run.', **f)
   flags.DEFINE_integer('gpu_batch_size', 8, 'Sequences per GPU batch.', **f)
   flags.DEFINE_integer('num_gpu_batches', 1, 'GPU batches per block (1: row-by-row order).', **f)
   for kind, what in (('w', 'weights'), ('cache', 'KV cache'), ('act', 'hidden states')):
@@ -108,7 +117,8 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       weights=fv.weights, checkpoint=fv.checkpoint, dummy_seed=fv.dummy_seed,
       dtype=fv.dtype, compute_dtype=fv.compute_dtype, cache_dtype=fv.cache_dtype,
       prompt_file=fv.prompt_file, prompt_len=fv.prompt_len,
-      num_prompts=fv.num_prompts or policy.block_size, generation=gen, policy=policy,
+      num_prompts=fv.num_prompts, generation=gen, policy=policy, policy_mode=fv.policy,
+      hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds, dry_run=fv.dry_run,
       budgets=budgets, offload_dir=fv.offload_dir, drop_page_cache=fv.drop_page_cache,
       output=fv.output, warmup=fv.warmup)
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from flexjax import config as config_lib
+from flexjax import cost_model, hardware, memory, search
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig, GenerationResult
 from flexjax.errors import FlexjaxError
+from flexjax.hardware import HardwareProfile
 from flexjax.policy import Policy
 from flexjax.tokenizer import Tokenizer
 from flexjax.weights import DummyWeights, WeightSource
@@ -34,9 +37,13 @@ class RunConfig:
   cache_dtype: str | None = None
   prompt_file: str | None = None
   prompt_len: int = 128
-  num_prompts: int = 8
+  num_prompts: int | None = None  # synthetic prompts; None: one block of the policy
   generation: GenerationConfig = GenerationConfig()
-  policy: Policy = Policy()
+  policy: Policy = Policy()  # hand-given, or the template of the search (approximations, overlap)
+  policy_mode: str = 'manual'  # 'manual' | 'auto'
+  hw_profile: str | None = None  # 'paper-t4', a JSON path, or None: this machine's (cached)
+  max_block_seconds: float | None = None  # latency limit for the search
+  dry_run: bool = False
   budgets: dict[str, int | None] | None = None  # bytes per tier; None: unlimited
   offload_dir: str | None = None
   drop_page_cache: bool = False
@@ -121,14 +128,7 @@ def device_memory_bytes(device) -> int | None:
   stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
   if stats and 'bytes_limit' in stats:
     return int(stats['bytes_limit']) - int(stats.get('bytes_in_use', 0))
-  try:
-    with open('/proc/meminfo') as f:
-      for line in f:
-        if line.startswith('MemAvailable:'):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
+  return _meminfo('MemAvailable')
 
 
 def peak_memory(device) -> dict[str, int]:
@@ -140,6 +140,55 @@ def peak_memory(device) -> dict[str, int]:
   return out
 
 
+def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
+                    scratch_dir: str | None) -> HardwareProfile | None:
+  """'paper-t4', a JSON path, or None: this device's cached profile (measured and cached on
+  first need when measure_if_missing)."""
+  if spec == 'paper-t4':
+    return hardware.t4_profile()
+  if spec:
+    return hardware.HardwareProfile.load(spec)
+  cache = (Path(os.environ.get('XDG_CACHE_HOME', Path.home() / '.cache')) / 'flexjax'
+           / f'hw-{device.platform}-{device.device_kind}.json'.replace(' ', '_'))
+  if cache.is_file():
+    return hardware.HardwareProfile.load(cache)
+  if not measure_if_missing:
+    return None
+  print(f'measuring this machine for the cost model (cached in {cache}) ...', flush=True)
+  profile = hardware.measure(device, scratch_dir=scratch_dir)
+  profile.save(cache)
+  return profile
+
+
+def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
+  """Given budgets, else what the machine has: device memory, available RAM, free disk."""
+  budgets = dict(rc.budgets or {})
+  if budgets.get('device') is None:  # never plan past what the device has
+    budgets['device'] = device_memory_bytes(device)
+  if rc.policy_mode == 'auto':
+    if budgets.get('host') is None:
+      budgets['host'] = _meminfo('MemAvailable')
+    if budgets.get('disk') is None:
+      budgets['disk'] = shutil.disk_usage(rc.offload_dir or tempfile.gettempdir()).free
+  return budgets
+
+
+def choose_policy(rc: RunConfig, cfg, sizes, budgets, device, prompt_len: int):
+  """The policy to run and its prediction: searched (--policy=auto) or hand-given."""
+  profile = resolve_profile(rc.hw_profile, device, measure_if_missing=rc.policy_mode == 'auto',
+                            scratch_dir=rc.offload_dir)
+  gen_len = rc.generation.gen_len
+  if rc.policy_mode == 'auto':
+    found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
+                          sizes=sizes, template=rc.policy,
+                          max_block_seconds=rc.max_block_seconds)
+    return found.policy, found.prediction, profile
+  if profile is None:
+    return rc.policy, None, None
+  return rc.policy, cost_model.predict(cfg, rc.policy, profile, sizes, prompt_len=prompt_len,
+                                       gen_len=gen_len), profile
+
+
 def run(rc: RunConfig) -> dict[str, Any]:
   """Runs the job; returns the report (also what main prints)."""
   import jax
@@ -148,29 +197,59 @@ def run(rc: RunConfig) -> dict[str, Any]:
   cfg = source.config
   if rc.prompt_file:
     prompts, texts = load_prompts(rc.prompt_file, cfg, tokenizer)
+    prompt_len = max(len(p) for p in prompts)
   else:
     if rc.prompt_len > cfg.max_positions:
       raise FlexjaxError(f'--prompt_len={rc.prompt_len} exceeds the {cfg.max_positions} '
                          f'positions of {cfg.name}; use a shorter prompt')
-    prompts = synthetic_prompts(cfg, rc.num_prompts, rc.prompt_len, seed=rc.generation.seed)
-    texts = [None] * len(prompts)
-  prompt_len = max(len(p) for p in prompts)
+    prompt_len = rc.prompt_len
   total = prompt_len + rc.generation.gen_len - 1
   if total > cfg.max_positions:
     raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
   device = jax.devices()[0]
-  budgets = dict(rc.budgets or {})
-  if budgets.get('device') is None:  # never plan past what the device has
-    budgets['device'] = device_memory_bytes(device)
-  with Engine(source, policy=rc.policy, compute_dtype=rc.compute_dtype,
+  budgets = detected_budgets(rc, device)
+  sizes = memory.Itemsizes(storage=config_lib.np_dtype(source.dtype).itemsize,
+                           compute=config_lib.np_dtype(rc.compute_dtype).itemsize,
+                           cache=config_lib.np_dtype(rc.cache_dtype or rc.compute_dtype).itemsize)
+  policy, prediction, profile = choose_policy(rc, cfg, sizes, budgets, device, prompt_len)
+  head = {'model': cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
+          'hw_profile': profile.name if profile else None,
+          **_prediction_fields(prediction, policy, rc.generation.gen_len),
+          **{f'{tier}_budget_bytes': value for tier, value in budgets.items()}}
+  if rc.dry_run:
+    return head
+  if not rc.prompt_file:
+    prompts = synthetic_prompts(cfg, rc.num_prompts or policy.block_size, prompt_len,
+                                seed=rc.generation.seed)
+    texts = [None] * len(prompts)
+  with Engine(source, policy=policy, compute_dtype=rc.compute_dtype,
               cache_dtype=rc.cache_dtype, device=device, budgets=budgets,
               offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache) as engine:
     result = engine.generate(prompts, rc.generation, warmup=rc.warmup)
   if rc.output:
     write_outputs(rc.output, prompts, texts, result, tokenizer)
-  return report(rc, engine, result)
+  return {**head, **report(rc, engine, result)}
+
+
+def _prediction_fields(prediction, policy, gen_len: int) -> dict[str, Any]:
+  if prediction is None:
+    return {}
+  return {'predicted_total_tok_s': round(prediction.throughput, 3),
+          'predicted_block_s': round(prediction.prefill_s + prediction.decode_s, 3),
+          **{f'predicted_{tier}_peak_bytes': v for tier, v in prediction.peak_bytes.items()}}
+
+
+def _meminfo(key: str) -> int | None:
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith(key + ':'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
 
 
 def report(rc: RunConfig, engine: Engine, result: GenerationResult) -> dict[str, Any]:
@@ -181,7 +260,7 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult) -> dict[str,
       'weight_dtype': engine.weight_dtype,
       'compute_dtype': engine.compute_dtype,
       'cache_dtype': engine.cache_dtype,
-      'policy': rc.policy.describe(),
+      'policy': engine.policy.describe(),
       'num_prompts': result.num_prompts,
       'prompt_len': result.prompt_len,
       'gen_len': result.gen_len,

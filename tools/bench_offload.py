@@ -117,7 +117,7 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
              prompt_len: int, gen_len: int, projected_gen_len: int | None = None,
              compute_dtype: str = 'float32', offload_dir: str | None = None,
              budgets: dict[str, int | None] | None = None,
-             context: dict[str, Any] | None = None) -> dict[str, Any]:
+             context: dict[str, Any] | None = None, profile=None) -> dict[str, Any]:
   """Runs one case in one page-cache mode on a fresh engine. Returns its record.
 
   Args:
@@ -128,6 +128,7 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
     projected_gen_len: generate this many tokens and extrapolate decode time to gen_len.
     budgets: bytes per tier ('device', 'host', 'disk'); None or a missing key: unlimited.
     context: run_context() of the invocation (default: a new one).
+    profile: a HardwareProfile: the record then carries the cost model's prediction.
   """
   from flexjax.engine import Engine, GenerationConfig
   from flexjax.run import synthetic_prompts
@@ -149,12 +150,25 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
     result = engine.generate(prompts, gen, warmup=True)
     rss = host_peak_rss()
     device = f'{engine.device.platform}:{engine.device.device_kind}'
+    predicted = _prediction(cfg, policy, profile, engine.sizes, prompt_len, gen_len)
   del engine
   gc.collect()
   return make_record(cfg=cfg, base=base, policy=policy, case=case, page_cache=page_cache,
                      compute_dtype=compute_dtype, prompt_len=prompt_len, gen_len=gen_len,
                      result=result, extra={'device': device, 'host_peak_rss_bytes': rss,
-                                           'budgets': budgets, **(context or run_context())})
+                                           'budgets': budgets, 'predicted': predicted,
+                                           **(context or run_context())})
+
+
+def _prediction(cfg, policy, profile, sizes, prompt_len, gen_len) -> dict[str, Any] | None:
+  """The cost model's view of the case (one block), to set beside the measurement."""
+  if profile is None:
+    return None
+  from flexjax import cost_model
+  p = cost_model.predict(cfg, policy, profile, sizes, prompt_len=prompt_len, gen_len=gen_len)
+  return {'profile': profile.name, 'prefill_s': p.prefill_s, 'decode_s': p.decode_s,
+          'total_s': p.prefill_s + p.decode_s, 'total_tok_s': p.throughput,
+          'peak_bytes': p.peak_bytes}
 
 
 def make_record(*, cfg: config_lib.ModelConfig, base: Policy, policy: Policy, case: str,
@@ -238,7 +252,15 @@ def settings_from_flags(fv: flags.FlagValues) -> dict[str, Any]:
   return dict(cfg=cfg, base=base, cases=list(fv.cases), page_cache_modes=list(fv.page_cache),
               prompt_len=fv.prompt_len, gen_len=fv.gen_len,
               projected_gen_len=fv.projected_gen_len, compute_dtype=fv.compute_dtype,
-              offload_dir=fv.offload_dir, budgets=flags_lib.budgets_from_flags(fv))
+              offload_dir=fv.offload_dir, budgets=flags_lib.budgets_from_flags(fv),
+              profile=_profile(fv))
+
+
+def _profile(fv: flags.FlagValues):
+  if not fv.hw_profile:
+    return None
+  from flexjax.hardware import HardwareProfile, t4_profile
+  return t4_profile() if fv.hw_profile == 'paper-t4' else HardwareProfile.load(fv.hw_profile)
 
 
 def run_all(emit: Callable[[dict[str, Any]], None], *, cfg: config_lib.ModelConfig,

@@ -1,0 +1,166 @@
+"""Hardware profile for the cost model: bandwidths between tiers and FLOP/s, measured or given.
+
+Throughputs vary with size, so FLOP/s are kept per size (rows M of an [M, k] x [k, n] matmul) and
+interpolated; bandwidths are single numbers per direction. Profiles are JSON files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flexjax.errors import FlexjaxError
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  """Bytes/s between tiers and FLOP/s of the compute units.
+
+  mm_flops maps a matmul's row count M to FLOP/s (prefill uses M = batch x prompt, decode
+  M = batch); bmm_flops likewise for attention's batched products; cpu_flops is the host's rate
+  for attention delegated to it.
+  """
+
+  name: str
+  ctog_bw: float  # host -> device
+  gtoc_bw: float  # device -> host
+  dtoc_bw: float  # disk -> host (page cache bypassed)
+  ctod_bw: float  # host -> disk
+  mm_flops: dict[int, float]
+  bmm_flops: dict[int, float]
+  cpu_flops: float
+
+  def matmul_flops(self, rows: int) -> float:
+    return _interpolate(self.mm_flops, rows)
+
+  def attention_flops(self, rows: int) -> float:
+    return _interpolate(self.bmm_flops, rows)
+
+  def to_json(self) -> str:
+    d = dataclasses.asdict(self)
+    d['mm_flops'] = {str(k): v for k, v in self.mm_flops.items()}
+    d['bmm_flops'] = {str(k): v for k, v in self.bmm_flops.items()}
+    return json.dumps(d, indent=2) + '\n'
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> 'HardwareProfile':
+    try:
+      d = json.loads(Path(path).read_text())
+      d['mm_flops'] = {int(k): float(v) for k, v in d['mm_flops'].items()}
+      d['bmm_flops'] = {int(k): float(v) for k, v in d['bmm_flops'].items()}
+      return cls(**d)
+    except FileNotFoundError:
+      raise FlexjaxError(f'hardware profile {str(path)!r} does not exist; measure one with '
+                         '`python -m tools.profile_hw --output=...`') from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+      raise FlexjaxError(f'hardware profile {str(path)!r} is not valid ({e}); measure it '
+                         'again') from None
+
+  def save(self, path: str | os.PathLike) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f'.{target.name}.', dir=target.parent)
+    with os.fdopen(fd, 'w') as f:
+      f.write(self.to_json())
+    os.replace(tmp, target)
+
+
+def _interpolate(table: dict[int, float], rows: int) -> float:
+  """Piecewise-linear in log(rows) between measured sizes; clamped at the ends."""
+  sizes = sorted(table)
+  if rows <= sizes[0]:
+    return table[sizes[0]]
+  if rows >= sizes[-1]:
+    return table[sizes[-1]]
+  x = np.log([s for s in sizes])
+  return float(np.interp(np.log(rows), x, [table[s] for s in sizes]))
+
+
+def t4_profile() -> HardwareProfile:
+  """The paper's machine (T4 16 GB, PCIe, NVMe) from FlexGen's fitted constants.
+
+  FlexGen fits one rate for prefill and one for decode; they become the large-M and small-M
+  ends of the tables. Device->host and host->disk use the KV-cache rates (the slower ones).
+  """
+  return HardwareProfile(
+      name='paper-t4', ctog_bw=12.89 * GB, gtoc_bw=0.97 * GB, dtoc_bw=0.473 * GB,
+      ctod_bw=0.746 * GB, mm_flops={64: 4.3e12, 4096: 21.24e12},
+      bmm_flops={64: 0.079e12, 4096: 9.97e12}, cpu_flops=0.0123e12)
+
+
+def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
+            hidden: int = 2048, quick: bool = False) -> HardwareProfile:
+  """Measures this machine: transfers, disk (page cache dropped), matmul and attention rates."""
+  import jax
+  import jax.numpy as jnp
+
+  device = device or jax.devices()[0]
+  cpu = jax.devices('cpu')[0]
+  n = size_mb * 2**20 // 4
+  host = np.random.default_rng(0).random(n, dtype=np.float32)
+
+  def best(fn, repeats=3):
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  nbytes = host.nbytes
+  ctog = nbytes / best(lambda: jax.device_put(np.array(host), device).block_until_ready())
+  on_device = jax.device_put(host, device)
+  gtoc = nbytes / best(lambda: np.array(on_device))
+  dtoc, ctod = _disk_rates(host, scratch_dir)
+
+  def matmul_rate(rows, backend):
+    a = jax.device_put(np.ones((rows, hidden), np.float32), backend)
+    b = jax.device_put(np.ones((hidden, 4 * hidden), np.float32), backend)
+    f = jax.jit(jnp.matmul)
+    f(a, b).block_until_ready()
+    return 2 * rows * hidden * 4 * hidden / best(lambda: f(a, b).block_until_ready())
+
+  def attention_rate(rows, backend):  # rows sequences attend over 512 positions, 64-wide heads
+    q = jax.device_put(np.ones((rows, hidden // 64, 1, 64), np.float32), backend)
+    k = jax.device_put(np.ones((rows, hidden // 64, 512, 64), np.float32), backend)
+    f = jax.jit(lambda q, k: jnp.einsum('bnqd,bntd->bnqt', q, k))
+    f(q, k).block_until_ready()
+    return 2 * rows * hidden * 512 / best(lambda: f(q, k).block_until_ready())
+
+  sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048)
+  mm = {m: matmul_rate(m, device) for m in sizes}
+  bmm = {m: attention_rate(m, device) for m in sizes[:4]}
+  return HardwareProfile(name=f'{device.platform}:{device.device_kind}', ctog_bw=ctog,
+                         gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod, mm_flops=mm, bmm_flops=bmm,
+                         cpu_flops=attention_rate(sizes[-1], cpu))
+
+
+def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float]:
+  """(read, write) bytes/s of a file, with the page cache dropped before reading."""
+  fd, path = tempfile.mkstemp(prefix='flexjax-profile-', dir=scratch_dir)
+  try:
+    start = time.perf_counter()
+    with os.fdopen(fd, 'wb') as f:
+      data.tofile(f)
+      f.flush()
+      os.fsync(f.fileno())
+    write = data.nbytes / (time.perf_counter() - start)
+    rfd = os.open(path, os.O_RDONLY)
+    try:
+      os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+      os.close(rfd)
+    start = time.perf_counter()
+    np.fromfile(path, dtype=np.uint8)
+    read = data.nbytes / (time.perf_counter() - start)
+  finally:
+    os.unlink(path)
+  return read, write

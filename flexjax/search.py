@@ -1,0 +1,185 @@
+"""Policy search (paper section 4.3): for each batch geometry, an LP over the nine placement
+fractions (scipy HiGHS), then rounding to a realisable policy re-checked with the exact memory
+plan. Pure in, pure out."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable
+
+import numpy as np
+from scipy.optimize import linprog
+
+from flexjax import cost_model, memory
+from flexjax.config import ModelConfig
+from flexjax.errors import FlexjaxError
+from flexjax.hardware import HardwareProfile
+from flexjax.policy import TIERS, Policy
+
+GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+_AUX = ('Tp', 'Tg', 'Ep', 'Eg')
+_VARS = cost_model.FRACTIONS + _AUX
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+  policy: Policy
+  prediction: cost_model.Prediction
+  planned_peak_bytes: dict[str, int]  # the exact plan (memory.peak_bytes) of the policy
+  candidates: int
+  seconds: float
+
+
+def solve_placement(model: cost_model.Model, budgets: dict[str, int | None], *,
+                    max_block_seconds: float | None = None) -> dict[str, float] | None:
+  """The LP: minimise time per generated token subject to the memory budgets.
+
+  Returns the optimal fractions, or None if no placement fits.
+  """
+  index = {v: i for i, v in enumerate(_VARS)}
+  L, n, bls = model.num_layers, model.gen_len, model.block_size
+  objective = np.zeros(len(_VARS))
+  block_time = {'Tp': L, 'Ep': 1, 'Tg': (n - 1) * L, 'Eg': n - 1}
+  for name, weight in block_time.items():
+    objective[index[name]] = weight / bls
+  rows, bounds_ub = [], []
+
+  def add(form: cost_model.Linear, limit: float, aux: dict[str, float] | None = None) -> None:
+    row = np.zeros(len(_VARS))
+    for k, c in form.coef.items():
+      row[index[k]] += c
+    for k, c in (aux or {}).items():
+      row[index[k]] += c
+    rows.append(row)
+    bounds_ub.append(limit - form.const)
+
+  for terms, aux in ((model.prefill, 'Tp'), (model.decode, 'Tg'), (model.ends_prefill, 'Ep'),
+                     (model.ends_decode, 'Eg')):
+    if model.overlap:
+      for form in terms.values():
+        add(form, 0.0, {aux: -1.0})
+    else:
+      add(sum(terms.values(), cost_model.Linear()), 0.0, {aux: -1.0})
+  for tier, forms in model.memory.items():
+    if budgets.get(tier) is not None:
+      for form in forms:
+        add(form, float(budgets[tier]))
+  if max_block_seconds is not None:
+    add(cost_model.Linear(0.0, {}), max_block_seconds, dict(block_time))
+  equalities = np.zeros((3, len(_VARS)))
+  for r, group in enumerate((('wg', 'wc', 'wd'), ('cg', 'cc', 'cd'), ('hg', 'hc', 'hd'))):
+    for v in group:
+      equalities[r, index[v]] = 1.0
+  bounds = [(0.0, 1.0)] * len(cost_model.FRACTIONS) + [(0.0, None)] * len(_AUX)
+  res = linprog(objective, A_ub=np.array(rows), b_ub=np.array(bounds_ub), A_eq=equalities,
+                b_eq=np.ones(3), bounds=bounds, method='highs')
+  if res.status != 0:
+    return None
+  return {v: float(res.x[index[v]]) for v in cost_model.FRACTIONS}
+
+
+def to_policy(x: dict[str, float], template: Policy) -> Policy:
+  """Rounds fractions to a realisable policy: whole percents of weights, whole rows of cache
+  and hidden states (device share rounded down, so rounding never adds device bytes)."""
+  b = template.gpu_batch_size
+
+  def rows(g: float, c: float) -> tuple[float, float]:
+    device = int(np.floor(g * b + 1e-9))
+    host = min(b - device, int(round((g + c) * b)) - device)
+    return 100 * device / b, 100 * max(0, host) / b
+
+  wg = float(np.floor(100 * x['wg'] + 1e-6))
+  wc = float(min(100 - wg, round(100 * (x['wg'] + x['wc'])) - wg))
+  cg, cc = rows(x['cg'], x['cc'])
+  hg, hc = rows(x['hg'], x['hc'])
+  return dataclasses.replace(template, w_gpu_percent=wg, w_cpu_percent=max(0.0, wc),
+                             cache_gpu_percent=cg, cache_cpu_percent=cc, act_gpu_percent=hg,
+                             act_cpu_percent=hc)
+
+
+def _repair(cfg, policy: Policy, sizes, budgets, prompt_len, gen_len, steps: int = 60):
+  """Moves data down the tiers until the exact plan fits (the LP is a relaxation)."""
+  b = policy.gpu_batch_size
+  for _ in range(steps):
+    plan = memory.peak_bytes(cfg, policy, sizes, prompt_len=prompt_len, gen_len=gen_len)
+    over = [t for t in TIERS if budgets.get(t) is not None and plan[t] > budgets[t]]
+    if not over:
+      return policy, plan
+    tier = over[0]
+    if tier == 'device' and policy.w_gpu_percent > 0:
+      delta = min(5.0, policy.w_gpu_percent)
+      policy = dataclasses.replace(policy, w_gpu_percent=policy.w_gpu_percent - delta,
+                                   w_cpu_percent=policy.w_cpu_percent + delta)
+    elif tier == 'device' and policy.rows('cache')['device'] > 0:
+      step = 100 / b
+      policy = dataclasses.replace(policy, cache_gpu_percent=policy.cache_gpu_percent - step,
+                                   cache_cpu_percent=policy.cache_cpu_percent + step)
+    elif tier == 'host' and policy.w_cpu_percent > 0:
+      delta = min(5.0, policy.w_cpu_percent)
+      policy = dataclasses.replace(policy, w_cpu_percent=policy.w_cpu_percent - delta)
+    elif tier == 'host' and policy.rows('cache')['host'] > 0:
+      policy = dataclasses.replace(policy, cache_cpu_percent=policy.cache_cpu_percent - 100 / b)
+    else:
+      return None, plan
+  return None, None
+
+
+def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None], *,
+           prompt_len: int, gen_len: int, sizes: memory.Itemsizes,
+           template: Policy = Policy(), gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
+           num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES, max_block_size: int = 4096,
+           cpu_attention: Iterable[bool] = (False, True),
+           max_block_seconds: float | None = None) -> SearchResult:
+  """The policy with the highest predicted throughput that fits the budgets.
+
+  The template's approximations (compression, sparsity) and overlap are kept; batch geometry,
+  CPU attention and placement are searched.
+  """
+  start = time.perf_counter()
+  best: SearchResult | None = None
+  tried = 0
+  for gbs in gpu_batch_sizes:
+    for g in num_gpu_batches:
+      if gbs * g > max_block_size:
+        continue
+      for cpu_att in cpu_attention:
+        candidate = dataclasses.replace(template, gpu_batch_size=gbs, num_gpu_batches=g,
+                                        cpu_attention=cpu_att)
+        model = cost_model.build(cfg, candidate, hw, sizes, prompt_len=prompt_len,
+                                 gen_len=gen_len)
+        tried += 1
+        x = solve_placement(model, budgets, max_block_seconds=max_block_seconds)
+        if x is None:
+          continue
+        policy, plan = _repair(cfg, to_policy(x, candidate), sizes, budgets, prompt_len,
+                               gen_len)
+        if policy is None:
+          continue
+        prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
+                                        gen_len=gen_len)
+        if max_block_seconds is not None and (prediction.prefill_s + prediction.decode_s
+                                              > max_block_seconds):
+          continue
+        if best is None or prediction.throughput > best.prediction.throughput:
+          best = SearchResult(policy, prediction, plan, 0, 0.0)
+  if best is None:
+    raise FlexjaxError(_shortfall(cfg, template, sizes, budgets, prompt_len, gen_len))
+  return dataclasses.replace(best, candidates=tried, seconds=time.perf_counter() - start)
+
+
+def _shortfall(cfg, template, sizes, budgets, prompt_len, gen_len) -> str:
+  """Which tier is short, and by how much, for the most economical policy (one sequence,
+  everything that can leave the device on disk)."""
+  smallest = dataclasses.replace(template, gpu_batch_size=1, num_gpu_batches=1, w_gpu_percent=0,
+                                 w_cpu_percent=0, cache_gpu_percent=0, cache_cpu_percent=0,
+                                 act_gpu_percent=0, act_cpu_percent=0, cpu_attention=True)
+  plan = memory.peak_bytes(cfg, smallest, sizes, prompt_len=prompt_len, gen_len=gen_len)
+  for tier in TIERS:
+    if budgets.get(tier) is not None and plan[tier] > budgets[tier]:
+      return (f'no policy fits: even one sequence with everything offloaded needs '
+              f'{plan[tier] / 2**30:.2f} GiB on the {tier}, {(plan[tier] - budgets[tier]) / 2**30:.2f}'
+              f' GiB more than its budget of {budgets[tier] / 2**30:.2f} GiB; raise --'
+              f'{dict(device="gpu", host="cpu", disk="disk")[tier]}_mem or shorten the sequences')
+  return 'no policy fits the budgets and the latency limit; relax --max_block_seconds'

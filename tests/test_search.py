@@ -1,0 +1,124 @@
+"""Cost model and policy search: toy LPs with known optima, monotonicity, the paper's setting,
+and the memory plan against what the runtime measures."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS
+from flexjax import cost_model, memory
+from flexjax.checkpoint import Checkpoint
+from flexjax.config import ModelConfig, preset
+from flexjax.engine import Engine, GenerationConfig
+from flexjax.errors import FlexjaxError
+from flexjax.hardware import HardwareProfile, t4_profile
+from flexjax.policy import Policy
+from flexjax.search import search, solve_placement
+
+TINY = ModelConfig(name='tiny', num_layers=2, hidden_size=64, num_heads=4, ffn_dim=128,
+                   vocab_size=1000, max_positions=128)
+FP16 = memory.Itemsizes(2, 2, 2)
+FP32 = memory.Itemsizes(4, 4, 4)
+GIB = 2**30
+T4_BUDGETS = {'device': 16 * 10**9, 'host': 208 * 10**9, 'disk': 1500 * 10**9}
+
+
+def toy_hardware(**kw) -> HardwareProfile:
+  base = dict(name='toy', ctog_bw=10e9, gtoc_bw=10e9, dtoc_bw=1e9, ctod_bw=1e9,
+              mm_flops={1: 1e12, 4096: 1e13}, bmm_flops={1: 1e11, 4096: 1e12}, cpu_flops=1e10)
+  return HardwareProfile(**(base | kw))
+
+
+def test_everything_fits_gives_the_all_device_policy():
+  found = search(TINY, toy_hardware(), {'device': 10 * GIB, 'host': 10 * GIB, 'disk': 10 * GIB},
+                 prompt_len=16, gen_len=8, sizes=FP32, gpu_batch_sizes=(4,), num_gpu_batches=(1,))
+  p = found.policy
+  assert (p.w_gpu_percent, p.cache_gpu_percent, p.act_gpu_percent) == (100, 100, 100)
+
+
+def test_tiny_device_moves_weights_off_it():
+  weights = memory.weight_bytes(TINY, Policy(), FP32).device
+  found = search(TINY, toy_hardware(), {'device': weights // 2, 'host': GIB, 'disk': GIB},
+                 prompt_len=16, gen_len=8, sizes=FP32, gpu_batch_sizes=(1, 2, 4),
+                 num_gpu_batches=(1, 2))
+  assert found.policy.w_gpu_percent < 100
+  assert found.planned_peak_bytes['device'] <= weights // 2
+
+
+def test_lp_prefers_the_faster_tier_for_weights():
+  """With slow disk and room on the host, no weights go to disk."""
+  model = cost_model.build(TINY, Policy(gpu_batch_size=4), toy_hardware(dtoc_bw=1e6), FP32,
+                           prompt_len=16, gen_len=8)
+  w = memory.weight_bytes(TINY, Policy(), FP32).device
+  x = solve_placement(model, {'device': w // 4, 'host': GIB, 'disk': GIB})
+  assert x['wd'] == pytest.approx(0, abs=1e-6) and x['wc'] > 0.5
+
+
+def test_more_memory_never_predicts_lower_throughput():
+  cfg = preset('opt-6.7b')
+  previous = 0.0
+  for device_gib in (4, 8, 16, 32):
+    found = search(cfg, t4_profile(), {'device': device_gib * GIB, 'host': 64 * GIB,
+                                       'disk': 500 * GIB},
+                   prompt_len=512, gen_len=32, sizes=FP16)
+    assert found.prediction.throughput >= previous * 0.999
+    previous = found.prediction.throughput
+
+
+@pytest.mark.parametrize('name', ['opt-30b', 'opt-175b'])
+def test_paper_setting_gives_feasible_policies(name):
+  found = search(preset(name), t4_profile(), T4_BUDGETS, prompt_len=512, gen_len=32, sizes=FP16)
+  assert found.prediction.throughput > 0
+  for tier, budget in T4_BUDGETS.items():
+    assert found.planned_peak_bytes[tier] <= budget
+  assert found.seconds < 10  # typically well under 2 s on an idle machine
+
+
+def test_no_feasible_policy_names_the_short_tier():
+  with pytest.raises(FlexjaxError, match=r'on the disk, [\d.]+ GiB more than its budget'):
+    search(preset('opt-30b'), t4_profile(), {'device': 16 * GIB, 'host': 8 * GIB,
+                                              'disk': 10 * GIB},
+           prompt_len=512, gen_len=32, sizes=FP16)
+
+
+def test_latency_limit_is_honoured():
+  free = search(TINY, toy_hardware(), {'device': GIB, 'host': GIB, 'disk': GIB}, prompt_len=16,
+                gen_len=8, sizes=FP32)
+  limit = (free.prediction.prefill_s + free.prediction.decode_s) / 4
+  bounded = search(TINY, toy_hardware(), {'device': GIB, 'host': GIB, 'disk': GIB},
+                   prompt_len=16, gen_len=8, sizes=FP32, max_block_seconds=limit)
+  assert bounded.prediction.prefill_s + bounded.prediction.decode_s <= limit
+
+
+POLICIES = [
+    Policy(gpu_batch_size=4),
+    Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=100),
+    Policy(gpu_batch_size=4, w_gpu_percent=50, w_cpu_percent=50, cache_gpu_percent=50,
+           cache_cpu_percent=50),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=0,
+           cache_gpu_percent=0, cache_cpu_percent=100),
+    Policy(gpu_batch_size=4, cache_gpu_percent=0, cache_cpu_percent=100, cpu_attention=True),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=20, w_cpu_percent=80,
+           act_gpu_percent=0, act_cpu_percent=100, overlap=False),
+]
+
+
+@pytest.mark.parametrize('policy', POLICIES, ids=lambda p: p.describe().replace(' ', '_'))
+def test_memory_plan_is_conservative_and_tight(pre_ln, tmp_path, policy):
+  gen = GenerationConfig(gen_len=6, stop_at_eos=False)
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, offload_dir=str(tmp_path)) as engine:
+    result = engine.generate(PROMPTS, gen)
+  x = cost_model.fractions(policy)
+  for tier, planned in result.planned_peak_bytes.items():
+    measured = result.peak_bytes[tier]
+    assert measured <= planned, (tier, measured, planned)
+    holds = {'device': x['wg'] + x['cg'], 'host': x['wc'] + x['cc'], 'disk': x['wd'] + x['cd']}
+    if holds[tier] > 0:  # a tier holding weights or cache: the plan is within 10%
+      assert measured >= 0.9 * planned, (tier, measured, planned)
+  # the LP's linear memory model agrees with the exact plan on realisable placements
+  model = cost_model.build(engine.config, policy, t4_profile(), engine.sizes,
+                           prompt_len=result.prompt_len, gen_len=6)
+  predicted = model.predict(x).peak_bytes
+  for tier in ('device', 'host', 'disk'):
+    assert predicted[tier] == pytest.approx(result.planned_peak_bytes[tier], rel=0.15, abs=4096)
