@@ -42,10 +42,20 @@ def term(const: float = 0.0, **coef: float) -> Linear:
   return Linear(const, coef)
 
 
-def fractions(policy: Policy) -> dict[str, float]:
-  """A policy's placement as fractions (cache and hidden states by their realised rows)."""
+def fractions(policy: Policy, cfg: ModelConfig | None = None) -> dict[str, float]:
+  """A policy's placement as fractions: cache and hidden states by their realised rows, weights
+  by the bytes each tier really gets when `cfg` is given (whole tensors), else by percent."""
   out = {'wg': policy.w_gpu_percent / 100, 'wc': policy.w_cpu_percent / 100,
          'wd': policy.w_disk_percent / 100}
+  if cfg is not None:
+    placed = {'device': 0, 'host': 0, 'disk': 0}
+    unit = memory.Itemsizes(1, 1, 1)
+    for stage in memory.stage_names(cfg):
+      shapes = memory.stage_shapes(cfg, stage)
+      for path, tier in memory.place_stage(cfg, stage, policy).items():
+        placed[tier] += memory.tensor_bytes(policy, unit, shapes[path])[0]
+    total = sum(placed.values())
+    out.update(wg=placed['device'] / total, wc=placed['host'] / total, wd=placed['disk'] / total)
   for kind, letter in (('cache', 'c'), ('act', 'h')):
     rows = policy.rows(kind)
     b = policy.gpu_batch_size
@@ -102,12 +112,14 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.I
   buffers = 2 if policy.overlap else 1
   cpu_att = policy.cpu_attention
 
-  stored, on_device = {}, {}
+  stored, on_device, resident = {}, {}, {}
   for stage in ('embed', 'layer_000', 'head'):  # every decoder layer has the same shapes
-    shapes = memory.stage_shapes(cfg, stage)
-    pairs = [memory.tensor_bytes(policy, sizes, shape) for shape in shapes.values()]
+    shapes = memory.stage_shapes(cfg, stage).values()
+    pairs = [memory.tensor_bytes(policy, sizes, shape) for shape in shapes]
     stored[stage] = sum(p[0] for p in pairs)
-    on_device[stage] = sum(p[1] for p in pairs)
+    on_device[stage] = sum(p[1] for p in pairs)  # once loaded
+    resident[stage] = sum(p[0] if memory.compressed(policy, shape) else p[1]
+                          for p, shape in zip(pairs, shapes))
   w_layer = stored['layer_000']
   w_ends = stored['embed'] + stored['head']
   k_tok = memory.cache_row_bytes(cfg, policy, sizes)  # K (or V) of one token, one layer
@@ -150,8 +162,11 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.I
   }
   # Memory, mirroring memory.peak_bytes with fractions in place of rows and tensors.
   w_all_store = w_ends + L * w_layer
-  w_all_dev = on_device['embed'] + on_device['head'] + L * on_device['layer_000']
-  w_max_dev, w_max_store = max(on_device.values()), max(stored.values())
+  w_all_dev = resident['embed'] + resident['head'] + L * resident['layer_000']
+  w_max_dev = max(on_device.values())
+  largest_tensor = max(memory.tensor_bytes(policy, sizes, shape)[0]
+                       for stage in ('embed', 'layer_000', 'head')
+                       for shape in memory.stage_shapes(cfg, stage).values())
   kv_seq = 2 * t * k_tok  # K and V of one sequence, one layer
   kv_read_seq = t * kv_read_tok
   act_seq = s * hid
@@ -164,18 +179,27 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.I
   mem = {
       'device': [base + prefill_working, base + decode_working],
       'host': [term(wc=w_all_store, cc=L * bls * kv_seq, hc=bls * act_seq,
-                    wd=buffers * w_max_store, cd=buffers * gbs * kv_read_seq,
+                    wd=largest_tensor, cd=buffers * gbs * kv_read_seq,
                     hd=buffers * gbs * act_seq)],
       'disk': [term(wd=w_all_store, cd=L * bls * kv_seq, hd=bls * act_seq)],
   }
-  return Model(prefill=prefill, decode=decode, ends_prefill=ends(bls, hw.matmul_flops(gbs)),
-               ends_decode=ends(bls, mm_g), memory=mem, num_layers=L, gen_len=n,
-               block_size=bls, overlap=policy.overlap)
+  terms = [prefill, decode, ends(bls, hw.matmul_flops(gbs)), ends(bls, mm_g)]
+  if hw.copies_share_compute:
+    terms = [_share_compute(t) for t in terms]
+  return Model(prefill=terms[0], decode=terms[1], ends_prefill=terms[2], ends_decode=terms[3],
+               memory=mem, num_layers=L, gen_len=n, block_size=bls, overlap=policy.overlap)
+
+
+def _share_compute(terms: dict[str, Linear]) -> dict[str, Linear]:
+  """On a CPU 'device' the host<->device copies run on the cores that compute: they add up, and
+  only the disk terms overlap with them."""
+  shared = terms['compute'] + terms.get('ctog', Linear()) + terms.get('gtoc', Linear())
+  return {k: v for k, v in terms.items() if k in ('dtoc', 'ctod')} | {'compute': shared}
 
 
 def predict(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.Itemsizes, *,
             prompt_len: int, gen_len: int) -> Prediction:
   """Predicted block time, throughput and peak bytes of a hand-given or searched policy."""
   model = build(cfg, policy, hw, sizes, prompt_len=prompt_len, gen_len=gen_len)
-  return model.predict(fractions(policy))
+  return model.predict(fractions(policy, cfg))
 

@@ -193,6 +193,7 @@ class Engine:
     self._write_kv = jax.jit(_write_kv, donate_argnums=(0,))
     self._sample = jax.jit(_next_token, static_argnames=('temperature', 'top_p'))
     self._cast = jax.jit(lambda a: a.astype(np_dtype(self.compute_dtype)))
+    self._dequantize = jax.jit(lambda p: quant_lib.unpack(p, np_dtype(self.compute_dtype)))
 
   def _place_stage(self, stage: str) -> dict:
     """Reads a stage from the source and puts each tensor on its tier."""
@@ -258,10 +259,12 @@ class Engine:
         continue
       packed = isinstance(value, quant_lib.Packed)
       stored = value.data if packed else value
-      nbytes = stored.nbytes if packed else int(np.prod(stored.shape)) * self.sizes.compute
+      shape = (*stored.shape[:-1], value.dim) if packed else stored.shape
+      nbytes = int(np.prod(shape)) * self.sizes.compute  # dequantized / cast once, on the device
       self.storage.accounts['device'].reserve(nbytes)
       loaded += nbytes
-      finish = (lambda a: quant_lib.Packed(a, value.dim, value.config)) if packed else self._cast
+      finish = ((lambda a: self._dequantize(quant_lib.Packed(a, value.dim, value.config)))
+                if packed else self._cast)
       if tier == 'host':
         tree[path] = finish(self.storage.to_device(stored, private=True))
       else:
@@ -274,7 +277,7 @@ class Engine:
           self.storage.free('host', staged)
       self.stats['bytes_moved']['weights'] += stored.nbytes
     self.stats['weight_loads'][memory.stage_names(self.config)[index]] += 1
-    return _unflatten(tree), loaded
+    return params_lib.unflatten(tree), loaded
 
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
@@ -683,16 +686,6 @@ def _release(inputs: dict, storage: Storage) -> None:
   """Returns the bytes a step's loaded inputs held (once)."""
   for tier, nbytes in inputs.pop('held', []):
     storage.free(tier, nbytes)
-
-
-def _unflatten(flat: dict) -> dict:
-  tree: dict = {}
-  for path, value in flat.items():
-    node = tree
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = value
-  return tree
 
 
 def _write_kv(cache: jax.Array, new: jax.Array, slot) -> jax.Array:

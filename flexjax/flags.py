@@ -55,6 +55,8 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       'once, cached).', **f)
   flags.DEFINE_float('max_block_seconds', None, 'Latency limit of a block for --policy=auto.',
                      **f)
+  flags.DEFINE_integer('max_block_size', 1024, 'Largest block (sequences) --policy=auto may '
+                       'choose.', **f)
   flags.DEFINE_bool('dry_run', False, 'Print the policy and its prediction; do not run.', **f)
   flags.DEFINE_integer('gpu_batch_size', 8, 'Sequences per GPU batch.', **f)
   flags.DEFINE_integer('num_gpu_batches', 1, 'GPU batches per block (1: row-by-row order).', **f)
@@ -118,7 +120,8 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       dtype=fv.dtype, compute_dtype=fv.compute_dtype, cache_dtype=fv.cache_dtype,
       prompt_file=fv.prompt_file, prompt_len=fv.prompt_len,
       num_prompts=fv.num_prompts, generation=gen, policy=policy, policy_mode=fv.policy,
-      hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds, dry_run=fv.dry_run,
+      hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds,
+      max_block_size=fv.max_block_size, dry_run=fv.dry_run,
       budgets=budgets, offload_dir=fv.offload_dir, drop_page_cache=fv.drop_page_cache,
       output=fv.output, warmup=fv.warmup)
 

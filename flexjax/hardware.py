@@ -37,6 +37,9 @@ class HardwareProfile:
   mm_flops: dict[int, float]
   bmm_flops: dict[int, float]
   cpu_flops: float
+  # True where the "device" is the host CPU: copies between tiers and layer compute then share
+  # the same cores and memory bus, so only disk waits overlap with compute.
+  copies_share_compute: bool = False
 
   def matmul_flops(self, rows: int) -> float:
     return _interpolate(self.mm_flops, rows)
@@ -140,7 +143,8 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   bmm = {m: attention_rate(m, device) for m in sizes[:4]}
   return HardwareProfile(name=f'{device.platform}:{device.device_kind}', ctog_bw=ctog,
                          gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod, mm_flops=mm, bmm_flops=bmm,
-                         cpu_flops=attention_rate(sizes[-1], cpu))
+                         cpu_flops=attention_rate(32, cpu),
+                         copies_share_compute=device.platform == 'cpu')
 
 
 def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float]:

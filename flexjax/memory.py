@@ -39,10 +39,12 @@ def compressed(policy: Policy, shape: tuple[int, ...]) -> bool:
 
 
 def tensor_bytes(policy: Policy, sizes: Itemsizes, shape: tuple[int, ...]) -> tuple[int, int]:
-  """(bytes stored on host/disk, bytes once on the device) of one weight tensor."""
+  """(bytes stored on host/disk or resident on the device, bytes once loaded to the device) of
+  one weight tensor. Quantized tensors stay quantized where they are stored (the device
+  included, dequantized inside each layer step) and are moved quantized; a loaded one is
+  dequantized once per load, so the GPU batches of a block do not each pay for it."""
   if compressed(policy, shape):
-    nbytes = _count(shape[:-1]) * policy.quant.row_bytes(shape[-1])
-    return nbytes, nbytes  # moved and kept compressed; dequantized inside the layer step
+    return _count(shape[:-1]) * policy.quant.row_bytes(shape[-1]), _count(shape) * sizes.compute
   return _count(shape) * sizes.storage, _count(shape) * sizes.compute
 
 
@@ -73,7 +75,7 @@ class WeightBytes:
   host: int  # storage dtype
   disk: int
   loaded_max_device: int  # the largest stage's non-resident tensors, once loaded (compute dtype)
-  loaded_max_disk: int  # the largest stage's disk tensors (storage dtype; staged in host RAM)
+  largest_disk_tensor: int  # staged in host RAM one tensor at a time while loading
 
 
 def weight_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightBytes:
@@ -81,15 +83,16 @@ def weight_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightBy
   loaded_max, disk_max = 0, 0
   for stage in stage_names(cfg):
     shapes = stage_shapes(cfg, stage)
-    loaded, disk = 0, 0
+    loaded = 0
     for path, tier in place_stage(cfg, stage, policy).items():
       stored, on_device = tensor_bytes(policy, sizes, shapes[path])
-      totals[tier] += on_device if tier == 'device' else stored
+      resident = stored if compressed(policy, shapes[path]) else on_device
+      totals[tier] += resident if tier == 'device' else stored
       if tier != 'device':
         loaded += on_device
       if tier == 'disk':
-        disk += stored
-    loaded_max, disk_max = max(loaded_max, loaded), max(disk_max, disk)
+        disk_max = max(disk_max, stored)
+    loaded_max = max(loaded_max, loaded)
   return WeightBytes(totals['device'], totals['host'], totals['disk'], loaded_max, disk_max)
 
 
@@ -125,7 +128,7 @@ def peak_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, *, prompt_len
             + g * act_rows['device'] * act_row
             + buffers * offloaded_act * act_row
             + max(prefill_working, decode_working))
-  host_staging = (buffers * w.loaded_max_disk
+  host_staging = (w.largest_disk_tensor
                   + buffers * cache_rows['disk'] * kv_read
                   + buffers * act_rows['disk'] * act_row)
   host = (w.host + L * g * cache_rows['host'] * kv_row + g * act_rows['host'] * act_row

@@ -58,9 +58,9 @@ class Policy:
     for kind in ('w', 'cache', 'act'):
       gpu, cpu = getattr(self, f'{kind}_gpu_percent'), getattr(self, f'{kind}_cpu_percent')
       for name, value in ((f'{kind}_gpu_percent', gpu), (f'{kind}_cpu_percent', cpu)):
-        if not 0 <= value <= 100:
+        if not -1e-6 <= value <= 100 + 1e-6:  # percents of rows come from divisions
           raise FlexjaxError(f'{name}={value} must be between 0 and 100')
-      if gpu + cpu > 100:
+      if gpu + cpu > 100 + 1e-6:
         raise FlexjaxError(f'{kind}_gpu_percent={gpu} + {kind}_cpu_percent={cpu} exceed 100; the '
                            'disk gets the remainder, so their sum must be <= 100')
 
@@ -74,22 +74,23 @@ class Policy:
 
   @property
   def w_disk_percent(self) -> float:
-    return 100 - self.w_gpu_percent - self.w_cpu_percent
+    return max(0.0, 100 - self.w_gpu_percent - self.w_cpu_percent)
 
   @property
   def cache_disk_percent(self) -> float:
-    return 100 - self.cache_gpu_percent - self.cache_cpu_percent
+    return max(0.0, 100 - self.cache_gpu_percent - self.cache_cpu_percent)
 
   @property
   def act_disk_percent(self) -> float:
-    return 100 - self.act_gpu_percent - self.act_cpu_percent
+    return max(0.0, 100 - self.act_gpu_percent - self.act_cpu_percent)
 
   def rows(self, kind: str) -> dict[str, int]:
     """Rows of a GPU batch per tier for 'cache' or 'act' (device, host, disk; sums to the batch)."""
     b = self.gpu_batch_size
-    device = round(b * getattr(self, f'{kind}_gpu_percent') / 100)
-    host = min(b - device, round(b * (getattr(self, f'{kind}_gpu_percent')
-                                      + getattr(self, f'{kind}_cpu_percent')) / 100) - device)
+    device = min(b, max(0, round(b * getattr(self, f'{kind}_gpu_percent') / 100)))
+    host = min(b - device, max(0, round(b * (getattr(self, f'{kind}_gpu_percent')
+                                             + getattr(self, f'{kind}_cpu_percent')) / 100)
+                               - device))
     return {'device': device, 'host': host, 'disk': b - device - host}
 
   def describe(self) -> str:

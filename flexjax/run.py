@@ -43,6 +43,7 @@ class RunConfig:
   policy_mode: str = 'manual'  # 'manual' | 'auto'
   hw_profile: str | None = None  # 'paper-t4', a JSON path, or None: this machine's (cached)
   max_block_seconds: float | None = None  # latency limit for the search
+  max_block_size: int = 1024  # largest block the search may choose
   dry_run: bool = False
   budgets: dict[str, int | None] | None = None  # bytes per tier; None: unlimited
   offload_dir: str | None = None
@@ -128,7 +129,7 @@ def device_memory_bytes(device) -> int | None:
   stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
   if stats and 'bytes_limit' in stats:
     return int(stats['bytes_limit']) - int(stats.get('bytes_in_use', 0))
-  return _meminfo('MemAvailable')
+  return meminfo_bytes('MemAvailable')
 
 
 def peak_memory(device) -> dict[str, int]:
@@ -167,7 +168,7 @@ def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
     budgets['device'] = device_memory_bytes(device)
   if rc.policy_mode == 'auto':
     if budgets.get('host') is None:
-      budgets['host'] = _meminfo('MemAvailable')
+      budgets['host'] = meminfo_bytes('MemAvailable')
     if budgets.get('disk') is None:
       budgets['disk'] = shutil.disk_usage(rc.offload_dir or tempfile.gettempdir()).free
   return budgets
@@ -181,7 +182,8 @@ def choose_policy(rc: RunConfig, cfg, sizes, budgets, device, prompt_len: int):
   if rc.policy_mode == 'auto':
     found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
                           sizes=sizes, template=rc.policy,
-                          max_block_seconds=rc.max_block_seconds)
+                          max_block_seconds=rc.max_block_seconds,
+                          max_block_size=rc.max_block_size)
     return found.policy, found.prediction, profile
   if profile is None:
     return rc.policy, None, None
@@ -241,7 +243,8 @@ def _prediction_fields(prediction, policy, gen_len: int) -> dict[str, Any]:
           **{f'predicted_{tier}_peak_bytes': v for tier, v in prediction.peak_bytes.items()}}
 
 
-def _meminfo(key: str) -> int | None:
+def meminfo_bytes(key: str) -> int | None:
+  """A /proc/meminfo field ('MemTotal', 'MemAvailable', ...) in bytes; None where unreadable."""
   try:
     with open('/proc/meminfo') as f:
       for line in f:

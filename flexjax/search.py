@@ -119,8 +119,13 @@ def _repair(cfg, policy: Policy, sizes, budgets, prompt_len, gen_len, steps: int
     elif tier == 'host' and policy.w_cpu_percent > 0:
       delta = min(5.0, policy.w_cpu_percent)
       policy = dataclasses.replace(policy, w_cpu_percent=policy.w_cpu_percent - delta)
+    elif tier == 'device' and policy.rows('act')['device'] > 0:
+      policy = dataclasses.replace(policy, act_gpu_percent=policy.act_gpu_percent - 100 / b,
+                                   act_cpu_percent=policy.act_cpu_percent + 100 / b)
     elif tier == 'host' and policy.rows('cache')['host'] > 0:
       policy = dataclasses.replace(policy, cache_cpu_percent=policy.cache_cpu_percent - 100 / b)
+    elif tier == 'host' and policy.rows('act')['host'] > 0:
+      policy = dataclasses.replace(policy, act_cpu_percent=policy.act_cpu_percent - 100 / b)
     else:
       return None, plan
   return None, None
@@ -178,8 +183,16 @@ def _shortfall(cfg, template, sizes, budgets, prompt_len, gen_len) -> str:
   plan = memory.peak_bytes(cfg, smallest, sizes, prompt_len=prompt_len, gen_len=gen_len)
   for tier in TIERS:
     if budgets.get(tier) is not None and plan[tier] > budgets[tier]:
+      flag = dict(device='gpu', host='cpu', disk='disk')[tier]
       return (f'no policy fits: even one sequence with everything offloaded needs '
-              f'{plan[tier] / 2**30:.2f} GiB on the {tier}, {(plan[tier] - budgets[tier]) / 2**30:.2f}'
-              f' GiB more than its budget of {budgets[tier] / 2**30:.2f} GiB; raise --'
-              f'{dict(device="gpu", host="cpu", disk="disk")[tier]}_mem or shorten the sequences')
+              f'{_size(plan[tier])} on the {tier}, {_size(plan[tier] - budgets[tier])} more than '
+              f'its budget of {_size(budgets[tier])}; raise --{flag}_mem or shorten the '
+              'sequences')
   return 'no policy fits the budgets and the latency limit; relax --max_block_seconds'
+
+
+def _size(nbytes: int) -> str:
+  for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+    if nbytes >= scale:
+      return f'{nbytes / scale:.2f} {unit}'
+  return f'{nbytes} bytes'

@@ -31,14 +31,8 @@ class DequantizedWeights:
       if a.ndim < 2:
         return a
       return np.asarray(dequantize(quantize(jnp.asarray(a), self.quant), a.shape[-1], self.quant))
-    flat = {k: roundtrip(v) for k, v in params_lib.flatten(self.ckpt.read(stage)).items()}
-    tree = {}
-    for path, value in flat.items():
-      node = tree
-      for key in path[:-1]:
-        node = node.setdefault(key, {})
-      node[path[-1]] = value
-    return tree
+    flat = params_lib.flatten(self.ckpt.read(stage))
+    return params_lib.unflatten({k: roundtrip(v) for k, v in flat.items()})
 
 
 def run(ckpt_dir, policy, tmp_path=None, source=None, prompts=PROMPTS, gen=GEN):

@@ -116,3 +116,31 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
   _one_line_error(run_cli('--gpu_batch_size=-1'), '--gpu_batch_size=-1')
   _one_line_error(run_cli('--compress_group_size=7'), 'compress_group_size=7')
   _one_line_error(run_cli('--gpu_mem=0.001'), 'on the device', 'short by')
+
+
+def test_auto_policy_dry_run_prints_the_choice_and_prediction():
+  proc = run_cli(f'--flagfile={REPO / "configs/opt30b.flags"}', '--hw_profile=paper-t4',
+                 '--gpu_mem=15', '--cpu_mem=200', '--disk_mem=1500', '--dry_run')
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report['policy_mode'] == 'auto' and report['predicted_total_tok_s'] > 0
+  assert report['predicted_device_peak_bytes'] <= 15 * 2**30
+
+
+def test_auto_policy_runs_and_hand_policies_get_a_prediction(tmp_path):
+  profile = REPO / 'configs' / 'hw' / 'paper-t4.json'
+  auto = run_cli('--model=opt-125m', '--policy=auto', f'--hw_profile={profile}', '--gpu_mem=0.5',
+                 '--cpu_mem=2', '--disk_mem=4', f'--offload_dir={tmp_path}', '--prompt_len=8',
+                 '--gen_len=3', '--nowarmup')
+  assert auto.returncode == 0, auto.stderr
+  report = json.loads(auto.stdout.strip().splitlines()[-1])
+  assert report['device_peak_bytes'] <= 0.5 * 2**30 and report['generated_tokens'] > 0
+  manual = run_cli('--model=opt-125m', '--hw_profile=paper-t4', '--prompt_len=8', '--gen_len=3',
+                   '--gpu_batch_size=2', '--dry_run')
+  assert json.loads(manual.stdout.strip().splitlines()[-1])['predicted_total_tok_s'] > 0
+
+
+def test_auto_policy_without_room_names_the_short_tier():
+  _one_line_error(run_cli('--model=opt-30b', '--policy=auto', '--hw_profile=paper-t4',
+                          '--gpu_mem=16', '--cpu_mem=8', '--disk_mem=10', '--prompt_len=512',
+                          '--dry_run'), 'on the disk', 'GiB more than its budget')

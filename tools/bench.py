@@ -17,16 +17,15 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from absl import app, flags
 
 from flexjax import config as config_lib
 from flexjax.errors import FlexjaxError
-from tools.benchlib import (fmt_number, git_commit, host_peak_rss, machine_info, meminfo_bytes,
-                            new_run_id, read_records, reset_peak_rss, throughputs, timestamp,
-                            versions)
+from tools.benchlib import (fmt_number, git_commit, host_peak_rss, jsonl_appender, machine_info,
+                            meminfo_bytes, new_run_id, read_records, reset_peak_rss, throughputs,
+                            timestamp, versions)
 
 _MODELS = flags.DEFINE_list('models', ['opt-125m'], 'OPT presets to benchmark.')
 _BATCH_SIZES = flags.DEFINE_list('batch_sizes', ['1', '8', '32'], 'Batch sizes (prompts per run).')
@@ -305,14 +304,7 @@ def main(argv):
       print(render_table(read_records(_RENDER.value)))
       return 0
     _check_flags()
-    output = Path(_OUTPUT.value)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open('a') as f:
-      def emit(record):
-        line = json.dumps(record)
-        print(line, flush=True)
-        f.write(line + '\n')
-        f.flush()
+    with jsonl_appender(_OUTPUT.value) as emit:
       run_all(emit)
   except FlexjaxError as e:
     print(f'bench: error: {e}', file=sys.stderr)

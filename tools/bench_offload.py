@@ -27,7 +27,6 @@ import dataclasses
 import gc
 import json
 import sys
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from absl import app, flags
@@ -38,8 +37,9 @@ from flexjax.errors import FlexjaxError
 from flexjax.model.params import layer_name
 from flexjax.policy import Policy
 from flexjax import flags as flags_lib
-from tools.benchlib import (fmt_number, git_commit, host_peak_rss, machine_info, new_run_id,
-                            read_records, reset_peak_rss, throughputs, timestamp, versions)
+from tools.benchlib import (fmt_number, git_commit, host_peak_rss, jsonl_appender, machine_info,
+                            new_run_id, read_records, reset_peak_rss, throughputs, timestamp,
+                            versions)
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -280,14 +280,7 @@ def run_cli(fv: flags.FlagValues) -> int:
       print(render_offload_table(read_records(fv.render)))
       return 0
     settings = settings_from_flags(fv)
-    output = Path(fv.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open('a') as f:
-      def emit(record):
-        line = json.dumps(record)
-        print(line, flush=True)
-        f.write(line + '\n')
-        f.flush()
+    with jsonl_appender(fv.output) as emit:
       run_all(emit, **settings)
   except FlexjaxError as e:
     print(f'bench_offload: error: {e}', file=sys.stderr)

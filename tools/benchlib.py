@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flexjax.errors import FlexjaxError
+from flexjax.run import meminfo_bytes  # noqa: F401  (re-exported for the tools)
 
 
 # ---- throughput and memory -----------------------------------------------------------------------
@@ -48,16 +50,6 @@ def host_peak_rss() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def meminfo_bytes(key: str) -> int | None:
-  """A /proc/meminfo field ('MemTotal', 'MemAvailable', ...) in bytes; None where unreadable."""
-  try:
-    with open('/proc/meminfo') as f:
-      for line in f:
-        if line.startswith(key + ':'):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
 
 
 # ---- provenance ----------------------------------------------------------------------------------
@@ -133,3 +125,17 @@ def read_records(path: str) -> list[dict[str, Any]]:
       raise FlexjaxError(f'--render={path!r} line {number} is not JSON ({e.msg}); '
                          'remove or fix that line') from None
   return records
+
+
+@contextlib.contextmanager
+def jsonl_appender(path: str | os.PathLike):
+  """Yields emit(record): prints the record as a JSON line and appends it to `path`."""
+  output = Path(path)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  with output.open('a') as f:
+    def emit(record: dict[str, Any]) -> None:
+      line = json.dumps(record)
+      print(line, flush=True)
+      f.write(line + '\n')
+      f.flush()
+    yield emit

@@ -30,6 +30,17 @@ def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], A
   return out
 
 
+def unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
+  """{('a', 'b'): x} -> {'a': {'b': x}}."""
+  tree: dict = {}
+  for path, value in flat.items():
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return tree
+
+
 def stage_shapes(cfg: ModelConfig, stage: str) -> ShapeTree:
   """Shapes of a stored stage: 'tokens', 'embed', 'head' or 'layer_<i>'."""
   if stage == 'tokens':
