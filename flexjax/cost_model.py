@@ -110,6 +110,7 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.I
   t = s + n - 1  # cache positions
   avg = s + n / 2  # average attended positions while decoding
   buffers = 2 if policy.overlap else 1
+  inflight = 3 if policy.overlap else 1  # as memory.peak_bytes
   cpu_att = policy.cpu_attention
 
   stored, on_device, resident = {}, {}, {}
@@ -171,16 +172,16 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.I
   kv_read_seq = t * kv_read_tok
   act_seq = s * hid
   base = term(buffers * w_max_dev, wg=w_all_dev - buffers * w_max_dev,
-              cg=L * bls * kv_seq, hg=bls * act_seq - buffers * gbs * act_seq)
-  base = base + term(buffers * gbs * act_seq)
+              cg=L * bls * kv_seq, hg=bls * act_seq - inflight * gbs * act_seq)
+  base = base + term(inflight * gbs * act_seq)
   prefill_working = term(buffers * gbs * 2 * s * h * sizes.cache)
   decode_working = (term() if cpu_att
-                    else term(cc=buffers * gbs * kv_read_seq, cd=buffers * gbs * kv_read_seq))
+                    else term(cc=inflight * gbs * kv_read_seq, cd=inflight * gbs * kv_read_seq))
   mem = {
       'device': [base + prefill_working, base + decode_working],
       'host': [term(wc=w_all_store, cc=L * bls * kv_seq, hc=bls * act_seq,
-                    wd=largest_tensor, cd=buffers * gbs * kv_read_seq,
-                    hd=buffers * gbs * act_seq)],
+                    wd=largest_tensor, cd=inflight * gbs * kv_read_seq,
+                    hd=inflight * gbs * act_seq)],
       'disk': [term(wd=w_all_store, cd=L * bls * kv_seq, hd=bls * act_seq)],
   }
   terms = [prefill, decode, ends(bls, hw.matmul_flops(gbs)), ends(bls, mm_g)]

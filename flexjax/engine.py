@@ -434,6 +434,7 @@ class Engine:
     weights: dict[int, concurrent.futures.Future] = {}
     inputs: dict[Step, concurrent.futures.Future] = {}
     current: tuple | None = None  # (params, device bytes loaded)
+    releases: list[concurrent.futures.Future] = []  # steps whose inputs are still held
     start = time.perf_counter()
     prefill_s = 0.0
     try:
@@ -450,7 +451,11 @@ class Engine:
           if overlap and upcoming is not None:
             weights[upcoming.stage] = load_weights.submit(self._load_weights, upcoming.stage)
         future = inputs.pop(step, None) or load.submit(self._load_inputs, step, batches)
-        self._compute(step, batch, current[0], future.result(), gen, key)
+        released = self._compute(step, batch, current[0], future.result(), gen, key)
+        if released is not None:
+          releases.append(released)
+        while len(releases) > 1:  # bounds the loaded inputs alive at once (see memory.py)
+          releases.pop(0).result()
         if overlap and n + 1 < len(steps):
           inputs[steps[n + 1]] = load.submit(self._load_inputs, steps[n + 1], batches)
         elif not overlap:
@@ -463,6 +468,8 @@ class Engine:
           if gen.stop_at_eos and all(b.finished[:b.real_rows].all() for b in batches):
             break
     finally:
+      for future in releases:
+        future.result()
       for future in inputs.values():
         _release(future.result(), self.storage)
       for future in weights.values():
@@ -520,7 +527,8 @@ class Engine:
     held.append(('device', rows.nbytes))
     return self.storage.to_device(rows, private=False)
 
-  def _compute(self, step: Step, batch: _Batch, params, inputs: dict, gen, key) -> None:
+  def _compute(self, step: Step, batch: _Batch, params, inputs: dict, gen, key):
+    """Dispatches one step. Returns a future of the release of its loaded inputs, if deferred."""
     stage, token = step.stage, step.token
     last = len(self._stages) - 1
     s = batch.tokens.shape[1]
@@ -557,11 +565,11 @@ class Engine:
         slot = s + token - 1
       # The loaded inputs stay in use until the step has run (dispatch is asynchronous): their
       # bytes are returned by the store thread once the outputs exist.
-      self._workers['store'].submit(_release_when_ready, inputs, y, self.storage)
+      released = self._workers['store'].submit(_release_when_ready, inputs, y, self.storage)
       self._store_cache(k_cache, k, slot)
       self._store_cache(v_cache, v, slot)
       self._store_hidden(batch.hidden, y)
-      return
+      return released
     _release(inputs, self.storage)
     self._store_hidden(batch.hidden, y)
 

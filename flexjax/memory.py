@@ -111,7 +111,10 @@ def peak_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, *, prompt_len
   w = weight_bytes(cfg, policy, sizes)
   b, g, h, L = policy.gpu_batch_size, policy.num_gpu_batches, cfg.hidden_size, cfg.num_layers
   s, t = prompt_len, prompt_len + gen_len - 1
-  buffers = 2 if policy.overlap else 1
+  buffers = 2 if policy.overlap else 1  # stages of weights on the device at once
+  # loaded step inputs alive at once: the step computing, the next one loading and, under
+  # overlap, the previous one until its outputs exist (its bytes are returned after that)
+  inflight = 3 if policy.overlap else 1
   cache_rows, act_rows = policy.rows('cache'), policy.rows('act')
   row = cache_row_bytes(cfg, policy, sizes)
   kv_row = 2 * t * row  # K and V of one sequence, one layer
@@ -122,15 +125,15 @@ def peak_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, *, prompt_len
   offloaded_act = act_rows['host'] + act_rows['disk']
 
   prefill_working = buffers * b * 2 * s * h * sizes.cache
-  decode_working = 0 if policy.cpu_attention else buffers * offloaded_cache * kv_read
+  decode_working = 0 if policy.cpu_attention else inflight * offloaded_cache * kv_read
   device = (w.device + buffers * w.loaded_max_device
             + L * g * cache_rows['device'] * kv_row
             + g * act_rows['device'] * act_row
-            + buffers * offloaded_act * act_row
+            + inflight * offloaded_act * act_row
             + max(prefill_working, decode_working))
   host_staging = (w.largest_disk_tensor
-                  + buffers * cache_rows['disk'] * kv_read
-                  + buffers * act_rows['disk'] * act_row)
+                  + inflight * cache_rows['disk'] * kv_read
+                  + inflight * act_rows['disk'] * act_row)
   host = (w.host + L * g * cache_rows['host'] * kv_row + g * act_rows['host'] * act_row
           + host_staging)
   disk = w.disk + L * g * cache_rows['disk'] * kv_row + g * act_rows['disk'] * act_row
