@@ -50,10 +50,10 @@ def fractions(policy: Policy, cfg: ModelConfig | None = None) -> dict[str, float
   if cfg is not None:
     placed = {'device': 0, 'host': 0, 'disk': 0}
     unit = memory.Itemsizes(1, 1, 1)
-    for stage in memory.stage_names(cfg):
+    for stage, count in memory.distinct_stages(cfg).items():
       shapes = memory.stage_shapes(cfg, stage)
       for path, tier in memory.place_stage(cfg, stage, policy).items():
-        placed[tier] += memory.tensor_bytes(policy, unit, shapes[path])[0]
+        placed[tier] += count * memory.tensor_bytes(policy, unit, shapes[path])[0]
     total = sum(placed.values())
     out.update(wg=placed['device'] / total, wc=placed['host'] / total, wd=placed['disk'] / total)
   for kind, letter in (('cache', 'c'), ('act', 'h')):

@@ -78,16 +78,21 @@ class WeightBytes:
   largest_disk_tensor: int  # staged in host RAM one tensor at a time while loading
 
 
+def distinct_stages(cfg: ModelConfig) -> dict[str, int]:
+  """Stages with distinct shapes and how many times each occurs (all decoder layers alike)."""
+  return {'embed': 1, params_lib.layer_name(0): cfg.num_layers, 'head': 1}
+
+
 def weight_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightBytes:
   totals = {'device': 0, 'host': 0, 'disk': 0}
   loaded_max, disk_max = 0, 0
-  for stage in stage_names(cfg):
+  for stage, count in distinct_stages(cfg).items():
     shapes = stage_shapes(cfg, stage)
     loaded = 0
     for path, tier in place_stage(cfg, stage, policy).items():
       stored, on_device = tensor_bytes(policy, sizes, shapes[path])
       resident = stored if compressed(policy, shapes[path]) else on_device
-      totals[tier] += resident if tier == 'device' else stored
+      totals[tier] += count * (resident if tier == 'device' else stored)
       if tier != 'device':
         loaded += on_device
       if tier == 'disk':
