@@ -608,7 +608,7 @@ class Engine:
     """Reads only the kept V rows of the offloaded part of a cache (host gather, disk reads)."""
     rows = v_cache.read_offloaded_rows(np.asarray(positions))
     self.stats['bytes_moved']['v_cache'] += rows.nbytes
-    if backend.platform == self.device.platform and backend == self.device:
+    if backend == self.device:
       return self.storage.to_device(rows, private=True)  # a fresh gather, never written again
     return jax.device_put(rows, backend)
 
