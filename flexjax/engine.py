@@ -8,7 +8,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -167,7 +167,9 @@ class Engine:
     self._workers: dict[str, object] = {}
     self.stats = _new_stats(self.config)
     try:
-      self._stages = [self._place_stage(name) for name in memory.stage_names(self.config)]
+      tokens = params_lib.flatten(self._source.read('tokens'))  # read once, used by two stages
+      self._stages = [self._place_stage(name, tokens)
+                      for name in memory.stage_names(self.config)]
     except BaseException:
       self.close()
       raise
@@ -195,13 +197,13 @@ class Engine:
     self._cast = jax.jit(lambda a: a.astype(np_dtype(self.compute_dtype)))
     self._dequantize = jax.jit(lambda p: quant_lib.unpack(p, np_dtype(self.compute_dtype)))
 
-  def _place_stage(self, stage: str) -> dict:
-    """Reads a stage from the source and puts each tensor on its tier."""
+  def _place_stage(self, stage: str, tokens: dict) -> dict:
+    """Reads a stage from the source and puts each tensor on its tier (the embedding and head
+    stages also get the tied token embedding, read once by the caller)."""
     cfg = self.config
-    source_stages = (['tokens', stage] if stage in ('embed', 'head') else [stage])
-    host = {}
-    for name in source_stages:
-      host.update(params_lib.flatten(self._source.read(name)))
+    host = params_lib.flatten(self._source.read(stage))
+    if stage in ('embed', 'head'):
+      host.update(tokens)
     placed = {}
     for path, tier in memory.place_stage(cfg, stage, self.policy).items():
       array = np.asarray(host[path])

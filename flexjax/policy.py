@@ -7,8 +7,6 @@ import dataclasses
 from flexjax.errors import FlexjaxError
 from flexjax.quant import QuantConfig
 
-TIERS = ('device', 'host', 'disk')
-
 
 @dataclasses.dataclass(frozen=True)
 class Policy:

@@ -218,7 +218,7 @@ def run(rc: RunConfig) -> dict[str, Any]:
   policy, prediction, profile = choose_policy(rc, cfg, sizes, budgets, device, prompt_len)
   head = {'model': cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': profile.name if profile else None,
-          **_prediction_fields(prediction, policy, rc.generation.gen_len),
+          **_prediction_fields(prediction),
           **{f'{tier}_budget_bytes': value for tier, value in budgets.items()}}
   if rc.dry_run:
     return head
@@ -235,7 +235,7 @@ def run(rc: RunConfig) -> dict[str, Any]:
   return {**head, **report(rc, engine, result)}
 
 
-def _prediction_fields(prediction, policy, gen_len: int) -> dict[str, Any]:
+def _prediction_fields(prediction: cost_model.Prediction | None) -> dict[str, Any]:
   if prediction is None:
     return {}
   return {'predicted_total_tok_s': round(prediction.throughput, 3),

@@ -15,7 +15,8 @@ from flexjax import cost_model, memory
 from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
 from flexjax.hardware import HardwareProfile
-from flexjax.policy import TIERS, Policy
+from flexjax.policy import Policy
+from flexjax.storage import TIERS
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)

@@ -1,9 +1,7 @@
 """Cost model and policy search: toy LPs with known optima, monotonicity, the paper's setting,
 and the memory plan against what the runtime measures."""
 
-import dataclasses
 
-import numpy as np
 import pytest
 
 from conftest import PROMPTS

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import os
 import sys
 import time

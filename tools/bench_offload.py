@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import sys
 from typing import Any, Callable, Sequence
 
