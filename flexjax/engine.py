@@ -5,6 +5,7 @@ across device, host and disk, with loads and stores overlapped with compute on w
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import time
@@ -62,6 +63,9 @@ class GenerationResult:
   weight_loads: dict[str, int]  # per stage: times its weights were brought to the device
   bytes_moved: dict[str, int]  # from host/disk tiers: weights, k_cache, v_cache
   logits: np.ndarray | None = None  # [num_prompts, gen_len, vocab] float32 when asked for
+  # Without overlap: seconds per phase ('prefill', 'decode') and part of the work (BREAKDOWN_PARTS
+  # and 'total'); None under overlap, where the parts run at the same time.
+  breakdown: dict[str, dict[str, float]] | None = None
 
   @property
   def total_s(self) -> float:
@@ -93,6 +97,46 @@ def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int):
       tokens[i, length - len(p):] = p
       mask[i, length - len(p):] = True
   return tokens, mask
+
+
+BREAKDOWN_PARTS = ('compute', 'weight_read', 'cache_read', 'cache_write', 'hidden_read',
+                   'hidden_write')
+
+
+class _Clock:
+  """Seconds per phase and part of the work of a run without overlap (the paper's Table 8).
+
+  Each part waits for its results before it stops, so time is charged where the work happens;
+  a part nested in another (a cache write inside a step's computation) is charged to itself only.
+  Disabled, it costs nothing and adds no waits.
+  """
+
+  def __init__(self, enabled: bool):
+    self.enabled = enabled
+    self.phase = 'prefill'
+    self.seconds = {phase: dict.fromkeys(BREAKDOWN_PARTS, 0.0) for phase in ('prefill', 'decode')}
+    self._nested: list[float] = []  # per open part: seconds of the parts nested in it
+
+  @contextlib.contextmanager
+  def part(self, name: str):
+    if not self.enabled:
+      yield
+      return
+    self._nested.append(0.0)
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      elapsed = time.perf_counter() - start
+      self.seconds[self.phase][name] += elapsed - self._nested.pop()
+      if self._nested:
+        self._nested[-1] += elapsed
+
+  def ready(self, tree):
+    """Waits for the arrays of `tree` when enabled; returns it."""
+    if self.enabled:
+      jax.block_until_ready(tree)
+    return tree
 
 
 class _Inline:
@@ -165,6 +209,7 @@ class Engine:
                         what='the weights alone')
     self._jit()
     self._workers: dict[str, object] = {}
+    self._clock = _Clock(enabled=False)
     self.stats = _new_stats(self.config)
     try:
       tokens = params_lib.flatten(self._source.read('tokens'))  # read once, used by two stages
@@ -346,10 +391,16 @@ class Engine:
                         'store': concurrent.futures.ThreadPoolExecutor(1, 'flexjax-store')}
                        if policy.overlap else {'load': _Inline(), 'weights': _Inline(),
                                                'store': _Inline()})
-    if warmup:  # compile every shape on the first block, untimed
-      self._run_block(tokens[:block], mask[:block], n, gen, 0, max_steps=2, return_logits=False,
-                      forced=None)
+    if warmup:  # compile every shape on the first GPU batch (all batches share them), untimed
+      b = policy.gpu_batch_size
+      self.policy = dataclasses.replace(policy, num_gpu_batches=1)
+      try:
+        self._run_block(tokens[:b], mask[:b], n, gen, 0, max_steps=2, return_logits=False,
+                        forced=None)
+      finally:
+        self.policy = policy
     self.stats = _new_stats(cfg)
+    self._clock = _Clock(enabled=not policy.overlap)
     for account in self.storage.accounts.values():
       account.peak = account.current
 
@@ -372,7 +423,15 @@ class Engine:
         prefill_s=prefill_s, decode_s=decode_s, peak_bytes=self.storage.peaks(),
         planned_peak_bytes=planned, weight_loads=dict(self.stats['weight_loads']),
         bytes_moved=dict(self.stats['bytes_moved']),
-        logits=np.concatenate(logits)[:n] if return_logits else None)
+        logits=np.concatenate(logits)[:n] if return_logits else None,
+        breakdown=self._breakdown(prefill_s, decode_s))
+
+  def _breakdown(self, prefill_s: float, decode_s: float) -> dict[str, dict[str, float]] | None:
+    if not self._clock.enabled:
+      return None
+    totals = {'prefill': prefill_s, 'decode': decode_s}
+    return {phase: {**parts, 'total': totals[phase]}
+            for phase, parts in self._clock.seconds.items()}
 
   def _new_batches(self, tokens, mask, real_rows, gen, return_logits, forced) -> list[_Batch]:
     cfg, policy = self.config, self.policy
@@ -430,7 +489,7 @@ class Engine:
     dispatched (jax dispatch is asynchronous), and offloaded results are written back on a third.
     Without overlap, each load runs just before its use and each step is waited for.
     """
-    overlap = self.policy.overlap
+    overlap, clock = self.policy.overlap, self._clock
     steps = list(block_schedule(max_steps, len(self._stages), len(batches)))
     load, load_weights = self._workers['load'], self._workers['weights']
     weights: dict[int, concurrent.futures.Future] = {}
@@ -442,27 +501,31 @@ class Engine:
     try:
       for n, step in enumerate(steps):
         batch = batches[step.batch]
+        clock.phase = 'decode' if step.token else 'prefill'
         if step.batch == 0:  # a new stage
           if current is not None:
             self.storage.free('device', current[1])
             current = None
-          future = weights.pop(step.stage, None) or load_weights.submit(self._load_weights,
-                                                                        step.stage)
-          current = future.result()
+          with clock.part('weight_read'):
+            future = weights.pop(step.stage, None) or load_weights.submit(self._load_weights,
+                                                                          step.stage)
+            current = clock.ready(future.result())
           upcoming = next((s for s in steps[n + 1:] if s.stage != step.stage), None)
           if overlap and upcoming is not None:
             weights[upcoming.stage] = load_weights.submit(self._load_weights, upcoming.stage)
         future = inputs.pop(step, None) or load.submit(self._load_inputs, step, batches)
-        released = self._compute(step, batch, current[0], future.result(), gen, key)
-        if released is not None:
-          releases.append(released)
-        while len(releases) > 1:  # bounds the loaded inputs alive at once (see memory.py)
-          releases.pop(0).result()
-        if overlap and n + 1 < len(steps):
-          inputs[steps[n + 1]] = load.submit(self._load_inputs, steps[n + 1], batches)
-        elif not overlap:
-          jax.block_until_ready(batch.hidden.device)
-          batch.hidden.wait()
+        loaded = future.result()
+        with clock.part('compute'):
+          released = self._compute(step, batch, current[0], loaded, gen, key)
+          if released is not None:
+            releases.append(released)
+          while len(releases) > 1:  # bounds the loaded inputs alive at once (see memory.py)
+            releases.pop(0).result()
+          if overlap and n + 1 < len(steps):
+            inputs[steps[n + 1]] = load.submit(self._load_inputs, steps[n + 1], batches)
+          elif not overlap:
+            jax.block_until_ready(batch.hidden.device)
+            batch.hidden.wait()
         if step.stage == len(self._stages) - 1 and step.batch == len(batches) - 1:
           self._end_token(step.token, batches)
           if step.token == 0:
@@ -487,15 +550,18 @@ class Engine:
     batch = batches[step.batch]
     out = {'held': []}
     if step.stage > 0:
-      out['hidden'] = self._read_hidden(batch.hidden, 1 if step.token else batch.tokens.shape[1],
-                                        out['held'])
+      with self._clock.part('hidden_read'):
+        out['hidden'] = self._clock.ready(self._read_hidden(
+            batch.hidden, 1 if step.token else batch.tokens.shape[1], out['held']))
     layer = step.stage - 1
     if step.token > 0 and 0 <= layer < self.config.num_layers:
       k_cache, v_cache = batch.caches[layer]
       if k_cache.offloaded_rows:  # sparse attention reads V later, only the rows it keeps
         dense = self.policy.attn_sparsity == 1
-        out['cache'] = (self._read_cache(k_cache, 'k_cache', out['held']),
-                        self._read_cache(v_cache, 'v_cache', out['held']) if dense else None)
+        with self._clock.part('cache_read'):
+          out['cache'] = self._clock.ready((
+              self._read_cache(k_cache, 'k_cache', out['held']),
+              self._read_cache(v_cache, 'v_cache', out['held']) if dense else None))
     return out
 
   def _read_hidden(self, hidden: SplitArray, length: int, held: list) -> jax.Array:
@@ -565,6 +631,7 @@ class Engine:
       else:
         y, (k, v) = self._decode(params, x, batch, k_cache, v_cache, inputs.get('cache'))
         slot = s + token - 1
+      self._clock.ready((y, k, v))
       # The loaded inputs stay in use until the step has run (dispatch is asynchronous): their
       # bytes are returned by the store thread once the outputs exist.
       released = self._workers['store'].submit(_release_when_ready, inputs, y, self.storage)
@@ -608,28 +675,35 @@ class Engine:
 
   def _gather_v(self, v_cache: SplitArray, positions: jax.Array, backend) -> jax.Array:
     """Reads only the kept V rows of the offloaded part of a cache (host gather, disk reads)."""
-    rows = v_cache.read_offloaded_rows(np.asarray(positions))
-    self.stats['bytes_moved']['v_cache'] += rows.nbytes
-    if backend == self.device:
-      return self.storage.to_device(rows, private=True)  # a fresh gather, never written again
-    return jax.device_put(rows, backend)
+    positions = np.asarray(positions)
+    with self._clock.part('cache_read'):
+      rows = v_cache.read_offloaded_rows(positions)
+      self.stats['bytes_moved']['v_cache'] += rows.nbytes
+      if backend == self.device:
+        return self._clock.ready(  # a fresh gather, never written again
+            self.storage.to_device(rows, private=True))
+      return self._clock.ready(jax.device_put(rows, backend))
 
   def _store_cache(self, cache: SplitArray, value: jax.Array, slot: int) -> None:
-    if self.policy.compress_cache:
-      value = self._quantize(value)  # [b, n, hidden] -> byte rows [b, n, row_bytes]
+    if self.policy.compress_cache:  # [b, n, hidden] -> byte rows [b, n, row_bytes]
+      value = self._clock.ready(self._quantize(value))
     d = cache.rows['device']
-    if d:
-      cache.device = self._write_kv(cache.device, value[:d], slot)
-    if cache.offloaded_rows:
-      cache.wait()
-      cache.pending = self._workers['store'].submit(cache.write_offloaded, value, slot)
+    with self._clock.part('cache_write'):
+      if d:
+        cache.device = self._clock.ready(self._write_kv(cache.device, value[:d], slot))
+      if cache.offloaded_rows:
+        cache.wait()
+        cache.pending = self._workers['store'].submit(cache.write_offloaded, value, slot)
 
   def _store_hidden(self, hidden: SplitArray, value: jax.Array) -> None:
     d = hidden.rows['device']
     hidden.wait()
-    hidden.device = value if d == value.shape[0] else (value[:d] if d else None)
-    if hidden.offloaded_rows:
-      hidden.pending = self._workers['store'].submit(hidden.write_offloaded, value, 0)
+    value = self._clock.ready(value)  # computed: the write starts here
+    with self._clock.part('hidden_write'):
+      hidden.device = self._clock.ready(value if d == value.shape[0] else
+                                        (value[:d] if d else None))
+      if hidden.offloaded_rows:
+        hidden.pending = self._workers['store'].submit(hidden.write_offloaded, value, 0)
 
   def _end_token(self, token: int, batches: list[_Batch]) -> None:
     """After the last stage of a token: the new slot of every cache becomes visible."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 from scipy.optimize import linprog
@@ -22,6 +22,9 @@ GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 _AUX = ('Tp', 'Tg', 'Ep', 'Eg')
 _VARS = cost_model.FRACTIONS + _AUX
+# Policy percent fields -> the LP's placement fractions (disk shares are what remains).
+PERCENT_FIELDS = {'w_gpu_percent': 'wg', 'w_cpu_percent': 'wc', 'cache_gpu_percent': 'cg',
+                  'cache_cpu_percent': 'cc', 'act_gpu_percent': 'hg', 'act_cpu_percent': 'hc'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +37,11 @@ class SearchResult:
 
 
 def solve_placement(model: cost_model.Model, budgets: dict[str, int | None], *,
-                    max_block_seconds: float | None = None) -> dict[str, float] | None:
+                    max_block_seconds: float | None = None,
+                    fixed: dict[str, float] | None = None) -> dict[str, float] | None:
   """The LP: minimise time per generated token subject to the memory budgets.
 
+  fixed: fractions ('wg', 'cc', ...) held at a value instead of searched.
   Returns the optimal fractions, or None if no placement fits.
   """
   index = {v: i for i, v in enumerate(_VARS)}
@@ -45,6 +50,12 @@ def solve_placement(model: cost_model.Model, budgets: dict[str, int | None], *,
   block_time = {'Tp': L, 'Ep': 1, 'Tg': (n - 1) * L, 'Eg': n - 1}
   for name, weight in block_time.items():
     objective[index[name]] = weight / bls
+  # Ties (a load hidden behind compute costs nothing under overlap) go to the faster tier: a
+  # cost far below the model's resolution on every byte left on the host and, twice, on disk.
+  scale = 1e-9 * L * n / bls
+  for kind in ('w', 'c', 'h'):
+    objective[index[f'{kind}c']] += scale
+    objective[index[f'{kind}d']] += 2 * scale
   rows, bounds_ub = [], []
 
   def add(form: cost_model.Linear, limit: float, aux: dict[str, float] | None = None) -> None:
@@ -74,6 +85,8 @@ def solve_placement(model: cost_model.Model, budgets: dict[str, int | None], *,
     for v in group:
       equalities[r, index[v]] = 1.0
   bounds = [(0.0, 1.0)] * len(cost_model.FRACTIONS) + [(0.0, None)] * len(_AUX)
+  for name, value in (fixed or {}).items():
+    bounds[index[name]] = (value, value)
   res = linprog(objective, A_ub=np.array(rows), b_ub=np.array(bounds_ub), A_eq=equalities,
                 b_eq=np.ones(3), bounds=bounds, method='highs')
   if res.status != 0:
@@ -100,36 +113,44 @@ def to_policy(x: dict[str, float], template: Policy) -> Policy:
                              act_cpu_percent=hc)
 
 
-def _repair(cfg, policy: Policy, sizes, budgets, prompt_len, gen_len, steps: int = 60):
-  """Moves data down the tiers until the exact plan fits (the LP is a relaxation)."""
-  b = policy.gpu_batch_size
+def _repair(cfg, policy: Policy, sizes, budgets, prompt_len, gen_len, fixed: Iterable[str] = (),
+            steps: int = 60):
+  """Moves data down the tiers until the exact plan fits (the LP is a relaxation), never
+  changing the percents named in `fixed`."""
+  fixed = set(fixed)
   for _ in range(steps):
     plan = memory.peak_bytes(cfg, policy, sizes, prompt_len=prompt_len, gen_len=gen_len)
     over = [t for t in TIERS if budgets.get(t) is not None and plan[t] > budgets[t]]
     if not over:
       return policy, plan
-    tier = over[0]
-    if tier == 'device' and policy.w_gpu_percent > 0:
-      delta = min(5.0, policy.w_gpu_percent)
-      policy = dataclasses.replace(policy, w_gpu_percent=policy.w_gpu_percent - delta,
-                                   w_cpu_percent=policy.w_cpu_percent + delta)
-    elif tier == 'device' and policy.rows('cache')['device'] > 0:
-      step = 100 / b
-      policy = dataclasses.replace(policy, cache_gpu_percent=policy.cache_gpu_percent - step,
-                                   cache_cpu_percent=policy.cache_cpu_percent + step)
-    elif tier == 'host' and policy.w_cpu_percent > 0:
-      delta = min(5.0, policy.w_cpu_percent)
-      policy = dataclasses.replace(policy, w_cpu_percent=policy.w_cpu_percent - delta)
-    elif tier == 'device' and policy.rows('act')['device'] > 0:
-      policy = dataclasses.replace(policy, act_gpu_percent=policy.act_gpu_percent - 100 / b,
-                                   act_cpu_percent=policy.act_cpu_percent + 100 / b)
-    elif tier == 'host' and policy.rows('cache')['host'] > 0:
-      policy = dataclasses.replace(policy, cache_cpu_percent=policy.cache_cpu_percent - 100 / b)
-    elif tier == 'host' and policy.rows('act')['host'] > 0:
-      policy = dataclasses.replace(policy, act_cpu_percent=policy.act_cpu_percent - 100 / b)
-    else:
+    move = next((m for m in _moves_off(policy, over[0]) if not fixed & set(m)), None)
+    if move is None:
       return None, plan
+    policy = dataclasses.replace(policy, **move)
   return None, None
+
+
+def _moves_off(policy: Policy, tier: str) -> Iterator[dict[str, float]]:
+  """Changes that move data off `tier` to the next one down, most preferred first: weights in
+  5% steps, then cache rows, then hidden-state rows."""
+  row = 100 / policy.gpu_batch_size
+  wg, wc = policy.w_gpu_percent, policy.w_cpu_percent
+  if tier == 'device':
+    if wg > 0:
+      yield {'w_gpu_percent': wg - min(5.0, wg), 'w_cpu_percent': wc + min(5.0, wg)}
+    if policy.rows('cache')['device'] > 0:
+      yield {'cache_gpu_percent': policy.cache_gpu_percent - row,
+             'cache_cpu_percent': policy.cache_cpu_percent + row}
+    if policy.rows('act')['device'] > 0:
+      yield {'act_gpu_percent': policy.act_gpu_percent - row,
+             'act_cpu_percent': policy.act_cpu_percent + row}
+  elif tier == 'host':
+    if wc > 0:
+      yield {'w_cpu_percent': wc - min(5.0, wc)}
+    if policy.rows('cache')['host'] > 0:
+      yield {'cache_cpu_percent': policy.cache_cpu_percent - row}
+    if policy.rows('act')['host'] > 0:
+      yield {'act_cpu_percent': policy.act_cpu_percent - row}
 
 
 def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None], *,
@@ -137,12 +158,20 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
            template: Policy = Policy(), gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
            num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES, max_block_size: int = 4096,
            cpu_attention: Iterable[bool] = (False, True),
-           max_block_seconds: float | None = None) -> SearchResult:
+           max_block_seconds: float | None = None,
+           fixed_percents: Iterable[str] = ()) -> SearchResult:
   """The policy with the highest predicted throughput that fits the budgets.
 
   The template's approximations (compression, sparsity) and overlap are kept; batch geometry,
-  CPU attention and placement are searched.
+  CPU attention and placement are searched, except the percents named in fixed_percents
+  (PERCENT_FIELDS), which keep the template's values.
   """
+  fixed_percents = tuple(fixed_percents)
+  unknown = sorted(set(fixed_percents) - set(PERCENT_FIELDS))
+  if unknown:
+    raise FlexjaxError(f'fixed_percents {unknown} are not placement percents; use '
+                       f'{", ".join(PERCENT_FIELDS)}')
+  fixed = {PERCENT_FIELDS[name]: getattr(template, name) / 100 for name in fixed_percents}
   start = time.perf_counter()
   best: SearchResult | None = None
   tried = 0
@@ -156,11 +185,11 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
         model = cost_model.build(cfg, candidate, hw, sizes, prompt_len=prompt_len,
                                  gen_len=gen_len)
         tried += 1
-        x = solve_placement(model, budgets, max_block_seconds=max_block_seconds)
+        x = solve_placement(model, budgets, max_block_seconds=max_block_seconds, fixed=fixed)
         if x is None:
           continue
         policy, plan = _repair(cfg, to_policy(x, candidate), sizes, budgets, prompt_len,
-                               gen_len)
+                               gen_len, fixed=fixed_percents)
         if policy is None:
           continue
         prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
