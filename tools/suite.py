@@ -1,0 +1,597 @@
+"""Benchmark suite: flexjax and its peers, case by case on one machine, as the FlexGen paper did.
+
+  python -m tools.suite --suite=configs/bench/cpu.json --output=docs/results/suite_cpu.jsonl
+  python -m tools.suite --suite=configs/bench/cpu.json --only=NAME,NAME --output=...
+  python -m tools.suite --render=docs/results/suite_cpu.jsonl            # every table
+  python -m tools.suite --plot=docs/results/suite_cpu.jsonl --plot_output=docs/frontier.png
+
+A suite file (JSON) has "defaults" and "cases"; a case is the defaults updated by its own keys:
+  name            unique; --only picks cases by it
+  system          flexjax | accelerate | flexgen
+  model           a flexjax preset (opt-125m ... opt-175b) or a dict of ModelConfig fields; dummy
+                  weights of that shape
+  prompt_len, gen_len, projected_gen_len (generate that many, extrapolate decode to gen_len)
+  page_cache      warm | dropped (offloaded files dropped from the page cache at every access)
+  gpu_mem, cpu_mem, disk_mem   budgets in GiB (flexjax: per tier; Accelerate: its max_memory for
+                  the GPU and the CPU, the rest on disk); null: unlimited (detected for auto)
+  budget          label of the memory setting in tables (e.g. "2 GiB RAM")
+  tables          which tables the case belongs to: peers, ablation, frontier
+  label           the row's name in the ablation table (e.g. "no overlap")
+  flexjax:  policy ("auto": the cost-model search, or a dict of Policy fields), fixed (Policy
+            fields that "auto" keeps instead of searching, e.g. {"overlap": false}),
+            max_block_size, hw_profile (paper-t4 or a profile JSON), compute_dtype
+  accelerate: batch_size, dtype it computes in (float32 | bfloat16 | float16; the checkpoint
+            holds float16 like flexjax's weights), checkpoint_cache (folder)
+  flexgen:  policy as for flexjax, or "from:<case name>": the policy flexjax ran in that case
+
+Each case runs in a fresh process (one engine, one model load; an untimed warm-up, then the timed
+generation of one block) and appends one JSON line to --output: the case, commit, machine,
+versions, policy, budgets, prefill/decode/total tok/s, latency (seconds per block), per-tier peak
+bytes, projected yes/no, the per-part breakdown of runs without overlap, the cost model's
+prediction, and status (ok, infeasible: no policy fits, failed: the error's last line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from absl import app, flags
+
+from flexjax import config as config_lib
+from flexjax import memory
+from flexjax.engine import BREAKDOWN_PARTS
+from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
+from tools import bench_offload
+from tools.benchlib import fmt_number, jsonl_appender, read_records, throughputs, timestamp
+
+SYSTEMS = ('flexjax', 'accelerate', 'flexgen')
+TABLES = ('peers', 'ablation', 'frontier')
+CASE_KEYS = {
+    'common': ('name', 'system', 'model', 'prompt_len', 'gen_len', 'projected_gen_len',
+               'page_cache', 'gpu_mem', 'cpu_mem', 'disk_mem', 'budget', 'tables', 'label',
+               'offload_dir'),
+    'flexjax': ('policy', 'fixed', 'max_block_size', 'hw_profile', 'compute_dtype'),
+    'accelerate': ('batch_size', 'dtype', 'checkpoint_cache'),
+    'flexgen': ('policy',),
+}
+DEFAULTS = {'prompt_len': 512, 'gen_len': 32, 'projected_gen_len': None, 'page_cache': 'dropped',
+            'gpu_mem': None, 'cpu_mem': None, 'disk_mem': None, 'budget': '', 'tables': [],
+            'label': '', 'offload_dir': None, 'policy': 'auto', 'fixed': {},
+            'max_block_size': 1024, 'hw_profile': None, 'compute_dtype': 'float32',
+            'batch_size': 8, 'dtype': 'float32',
+            'checkpoint_cache': '~/.cache/flexjax/peer-checkpoints'}
+
+
+# ---- suite files ---------------------------------------------------------------------------------
+def load_suite(path: str) -> tuple[str, list[dict[str, Any]]]:
+  """The suite's name and its cases (defaults applied, every key checked)."""
+  p = Path(path)
+  try:
+    spec = json.loads(p.read_text())
+  except FileNotFoundError:
+    raise FlexjaxError(f'--suite={path!r} does not exist; pass a suite JSON file such as '
+                       'configs/bench/cpu.json') from None
+  except json.JSONDecodeError as e:
+    raise FlexjaxError(f'--suite={path!r} is not valid JSON ({e.msg}, line {e.lineno})') from None
+  if not isinstance(spec, dict) or not isinstance(spec.get('cases'), list):
+    raise FlexjaxError(f'--suite={path!r} needs an object with a "cases" list')
+  defaults = spec.get('defaults', {})
+  cases = [check_case({**DEFAULTS, **defaults, **case}) for case in spec['cases']]
+  names = [case['name'] for case in cases]
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise FlexjaxError(f'case names {repeated} repeat in {path!r}; give every case its own name')
+  return spec.get('name', p.stem), cases
+
+
+def check_case(case: dict[str, Any]) -> dict[str, Any]:
+  """Validates one case; returns it. Errors name the case and the key."""
+  name = case.get('name')
+  if not name:
+    raise FlexjaxError(f'a case has no "name": {json.dumps(case)[:120]}')
+  system = case.get('system')
+  if system not in SYSTEMS:
+    raise FlexjaxError(f'case {name!r}: system={system!r}; use one of {", ".join(SYSTEMS)}')
+  allowed = set(CASE_KEYS['common']) | set(CASE_KEYS[system])
+  ignored = set(DEFAULTS) - allowed  # defaults of the other systems
+  unknown = sorted(set(case) - allowed - ignored)
+  if unknown:
+    raise FlexjaxError(f'case {name!r}: unknown keys {unknown} for system {system!r}; known: '
+                       f'{sorted(allowed)}')
+  model_config(case['model'])  # raises on an unknown model
+  bad_tables = sorted(set(case['tables']) - set(TABLES))
+  if bad_tables:
+    raise FlexjaxError(f'case {name!r}: tables {bad_tables} are unknown; use {", ".join(TABLES)}')
+  if case['page_cache'] not in ('warm', 'dropped'):
+    raise FlexjaxError(f'case {name!r}: page_cache={case["page_cache"]!r}; use warm or dropped')
+  policy = case.get('policy')
+  if system == 'flexjax' or system == 'flexgen' and isinstance(policy, dict):
+    if policy != 'auto' and not isinstance(policy, dict):
+      raise FlexjaxError(f'case {name!r}: policy={policy!r}; use "auto" or a dict of Policy '
+                         'fields')
+    for fields in ((policy if isinstance(policy, dict) else {}), case.get('fixed', {})):
+      _policy_from(fields, name)
+  elif system == 'flexgen' and not (isinstance(policy, str) and policy.startswith('from:')):
+    raise FlexjaxError(f'case {name!r}: FlexGen needs policy = a dict of Policy fields or '
+                       '"from:<flexjax case name>"')
+  return {k: v for k, v in case.items() if k in allowed}
+
+
+def _policy_from(fields: dict[str, Any], case: str, base: Policy = Policy()) -> Policy:
+  known = {f.name for f in dataclasses.fields(Policy)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise FlexjaxError(f'case {case!r}: unknown Policy fields {unknown}; known: {sorted(known)}')
+  return dataclasses.replace(base, **fields)
+
+
+def model_config(model: str | dict[str, Any]) -> config_lib.ModelConfig:
+  """A preset by name, or a custom shape from ModelConfig fields."""
+  if isinstance(model, dict):
+    return config_lib.ModelConfig.from_dict(model)
+  return config_lib.preset(model)
+
+
+def _model_name(model: str | dict[str, Any]) -> str:
+  return model.get('name', 'custom') if isinstance(model, dict) else model
+
+
+def budgets_of(case: dict[str, Any]) -> dict[str, int | None]:
+  """The case's budgets in bytes per flexjax tier."""
+  gib = lambda v: None if v is None else int(float(v) * 2**30)  # noqa: E731
+  return {'device': gib(case['gpu_mem']), 'host': gib(case['cpu_mem']),
+          'disk': gib(case['disk_mem'])}
+
+
+# ---- one case ------------------------------------------------------------------------------------
+def run_case(case: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+  """Runs one case in this process. Returns its record (status 'infeasible' when no policy fits
+  the budgets; other errors propagate)."""
+  cfg = model_config(case['model'])
+  bench_offload.check_lengths(cfg, prompt_len=case['prompt_len'], gen_len=case['gen_len'],
+                              projected_gen_len=case['projected_gen_len'])
+  runner = {'flexjax': _run_flexjax, 'accelerate': _run_accelerate,
+            'flexgen': _run_flexgen}[case['system']]
+  base = {'tool': 'suite', 'case': case['name'], 'system': case['system'],
+          'model': cfg.name, 'label': case['label'], 'budget': case['budget'],
+          'tables': list(case['tables']), 'prompt_len': case['prompt_len'],
+          'gen_len': case['gen_len'], 'page_cache': case['page_cache'],
+          'budgets': budgets_of(case), 'spec': case, **context}
+  try:
+    measured = runner(cfg, case)
+  except FlexjaxError as e:
+    if not str(e).startswith('no policy fits'):
+      raise
+    return {**base, 'status': 'infeasible', 'error': str(e), 'timestamp': timestamp()}
+  record = {**base, **measured, 'status': 'ok'}
+  record.update(throughputs(batch_size=record['num_prompts'], prompt_len=case['prompt_len'],
+                            gen_len=case['gen_len'], prefill_s=record['prefill_s'],
+                            decode_s=record['decode_s']))
+  record['latency_s'] = record['prefill_s'] + record['decode_s']
+  record['timestamp'] = timestamp()
+  return record
+
+
+def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
+  """The case's policy (searched for "auto") and the hardware profile, if any."""
+  from flexjax import search
+  from flexjax.hardware import HardwareProfile, t4_profile
+  spec = case['hw_profile']
+  profile = (t4_profile() if spec == 'paper-t4' else HardwareProfile.load(spec) if spec
+             else None)
+  fixed = case['fixed']
+  if case['policy'] != 'auto':
+    return _policy_from({**case['policy'], **fixed}, case['name']), profile
+  if profile is None:
+    raise FlexjaxError(f'case {case["name"]!r}: policy "auto" needs hw_profile (paper-t4 or a '
+                       'profile JSON such as configs/hw/cpu-2core.json)')
+  budgets = budgets_of(case)
+  if budgets['disk'] is None:
+    budgets['disk'] = _free_disk(case['offload_dir'])
+  sizes = _itemsizes(case)
+  choices = {}
+  for name, arg in (('cpu_attention', 'cpu_attention'), ('gpu_batch_size', 'gpu_batch_sizes'),
+                    ('num_gpu_batches', 'num_gpu_batches')):
+    if name in fixed:
+      choices[arg] = (fixed[name],)
+  found = search.search(cfg, profile, budgets, prompt_len=case['prompt_len'],
+                        gen_len=case['gen_len'], sizes=sizes,
+                        template=_policy_from(fixed, case['name']),
+                        max_block_size=case['max_block_size'],
+                        fixed_percents=[k for k in fixed if k in search.PERCENT_FIELDS],
+                        **choices)
+  return found.policy, profile
+
+
+def _itemsizes(case: dict[str, Any]) -> memory.Itemsizes:
+  compute = config_lib.np_dtype(case['compute_dtype']).itemsize
+  return memory.Itemsizes(storage=2, compute=compute, cache=compute)
+
+
+def _free_disk(folder: str | None) -> int:
+  import shutil
+  return shutil.disk_usage(folder or tempfile.gettempdir()).free
+
+
+def _run_flexjax(cfg, case) -> dict[str, Any]:
+  policy, profile = flexjax_policy(cfg, case)
+  record = bench_offload.run_case(
+      cfg, policy, case='block', page_cache=case['page_cache'], prompt_len=case['prompt_len'],
+      gen_len=case['gen_len'], projected_gen_len=case['projected_gen_len'],
+      compute_dtype=case['compute_dtype'], offload_dir=case['offload_dir'],
+      budgets=budgets_of(case), context={}, profile=profile)
+  keep = ('num_prompts', 'measured_gen_len', 'projected', 'prefill_s', 'decode_s',
+          'measured_decode_s', 'peak_bytes', 'planned_peak_bytes', 'host_peak_rss_bytes',
+          'policy', 'policy_fields', 'compute_dtype', 'weight_storage_dtype', 'bytes_moved',
+          'weight_loads_per_stage', 'predicted', 'device', 'breakdown')
+  return {'system_version': _flexjax_version(), **{k: record[k] for k in keep}}
+
+
+def _flexjax_version() -> str:
+  import importlib.metadata
+  try:
+    return importlib.metadata.version('flexjax')
+  except importlib.metadata.PackageNotFoundError:
+    return 'source'
+
+
+def _run_accelerate(cfg, case) -> dict[str, Any]:
+  from tools import peer_accelerate
+  budgets = budgets_of(case)
+  max_memory: dict[str | int, int] = {}
+  if budgets['device'] is not None and _has_cuda():  # on a CPU, Accelerate's device is the CPU
+    max_memory[0] = budgets['device']
+  max_memory['cpu'] = budgets['host'] if budgets['host'] is not None else _free_ram()
+  shape = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+  folder = Path(os.path.expanduser(case['checkpoint_cache'])) / f'{cfg.name}-{shape}-float16'
+  return peer_accelerate.run_accelerate(
+      cfg, batch_size=case['batch_size'], prompt_len=case['prompt_len'],
+      gen_len=case['gen_len'], projected_gen_len=case['projected_gen_len'],
+      max_memory=max_memory, checkpoint_dir=folder, offload_dir=case['offload_dir'],
+      dtype=case['dtype'], page_cache=case['page_cache'])
+
+
+def _has_cuda() -> bool:
+  import torch
+  return torch.cuda.is_available()
+
+
+def _free_ram() -> int:
+  from flexjax.run import meminfo_bytes
+  return meminfo_bytes('MemAvailable') or 0
+
+
+def _run_flexgen(cfg, case) -> dict[str, Any]:
+  from tools import peer_flexgen
+  policy = _policy_from(case['policy'], case['name'])
+  out = peer_flexgen.run_flexgen(
+      cfg.name, policy, prompt_len=case['prompt_len'], gen_len=case['gen_len'],
+      projected_gen_len=case['projected_gen_len'],
+      offload_dir=case['offload_dir'] or tempfile.gettempdir())
+  return {**out, 'num_prompts': policy.block_size, 'policy_fields': dataclasses.asdict(policy),
+          'measured_gen_len': case['projected_gen_len'] or case['gen_len'],
+          'peak_bytes': {'device': out.get('gpu_peak_bytes')}}
+
+
+def describe_case(case: dict[str, Any]) -> str:
+  """What a case would run: flexjax's policy and prediction, a peer's batch."""
+  cfg = model_config(case['model'])
+  lengths = f'{case["prompt_len"]}+{case["gen_len"]}'
+  if case['system'] == 'accelerate':
+    return f'accelerate {cfg.name} {lengths}, batch {case["batch_size"]}, {case["dtype"]}'
+  if case['system'] == 'flexgen':
+    return f'flexgen {cfg.name} {lengths}, policy {case["policy"]}'
+  try:
+    policy, profile = flexjax_policy(cfg, case)
+  except FlexjaxError as e:
+    return f'flexjax {cfg.name} {lengths}: {e}'
+  text = f'flexjax {cfg.name} {lengths}, block {policy.block_size}: {policy.describe()}'
+  if profile is not None:
+    from flexjax import cost_model
+    p = cost_model.predict(cfg, policy, profile, _itemsizes(case), prompt_len=case['prompt_len'],
+                           gen_len=case['gen_len'])
+    text += (f'; predicted {p.throughput:.2f} tok/s, block {p.prefill_s:.0f} s prefill + '
+             f'{p.decode_s:.0f} s decode on {profile.name}')
+  return text
+
+
+# ---- the whole suite -----------------------------------------------------------------------------
+def resolve(case: dict[str, Any], done: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """Replaces policy "from:<case>" by the policy that case ran (from this run's records)."""
+  policy = case.get('policy')
+  if case['system'] != 'flexgen' or not isinstance(policy, str):
+    return case
+  source = policy.removeprefix('from:')
+  for record in reversed(done):
+    if record['case'] == source and record.get('status') == 'ok':
+      return {**case, 'policy': record['policy_fields']}
+  raise FlexjaxError(f'case {case["name"]!r} takes its policy from case {source!r}, which has not '
+                     'run successfully before it; run both (--only) in that order')
+
+
+def run_suite(suite_name: str, cases: Sequence[dict[str, Any]],
+              emit: Callable[[dict[str, Any]], None], *, isolate: bool = True,
+              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+  """Runs the cases in order, each in its own process when `isolate`, emitting every record.
+  A case that fails is recorded with status 'failed' and the suite goes on."""
+  context = {**bench_offload.run_context(), 'suite': suite_name}
+  done: list[dict[str, Any]] = []
+  for case in cases:
+    log(f'suite {suite_name}: case {case["name"]} ({case["system"]}, {case["model"]})')
+    try:
+      resolved = resolve(case, done)
+      record = _run_isolated(resolved, context) if isolate else run_case(resolved, context)
+    except FlexjaxError as e:
+      record = {'tool': 'suite', 'case': case['name'], 'system': case['system'],
+                'model': _model_name(case['model']), 'label': case['label'],
+                'budget': case['budget'],
+                'tables': list(case['tables']), 'prompt_len': case['prompt_len'],
+                'gen_len': case['gen_len'], 'spec': case, **context, 'status': 'failed',
+                'error': str(e), 'timestamp': timestamp()}
+    emit(record)
+    done.append(record)
+  return done
+
+
+def _run_isolated(case: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+  """Runs one case in a child process; its record comes back through a temporary file."""
+  with tempfile.TemporaryDirectory(prefix='flexjax-suite-') as tmp:
+    out = Path(tmp) / 'record.json'
+    cmd = [sys.executable, '-m', 'tools.suite', f'--case_json={json.dumps(case)}',
+           f'--context_json={json.dumps(context)}', f'--record_output={out}']
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env)
+    if proc.returncode != 0 or not out.is_file():
+      lines = [line for line in proc.stdout.splitlines() if line.strip()]
+      raise FlexjaxError(f'exit status {proc.returncode}: '
+                         f'{lines[-1] if lines else "no output"}')
+    return json.loads(out.read_text())
+
+
+# ---- tables --------------------------------------------------------------------------------------
+def _ok(records: Iterable[dict[str, Any]], table: str) -> list[dict[str, Any]]:
+  return [r for r in records if table in r.get('tables', ())]
+
+
+def _tok_s(record: dict[str, Any] | None) -> str:
+  if record is None:
+    return '—'
+  if record.get('status') == 'infeasible':
+    return 'OOM'
+  if record.get('status') != 'ok':
+    return 'failed'
+  return fmt_number(record['total_tok_s']) + ('*' if record.get('projected') else '')
+
+
+def render_peers(records: Sequence[dict[str, Any]]) -> str:
+  """Table 2: per model, lengths and memory setting, each system's total tok/s, its batch and
+  policy, and flexjax's ratio to each peer. '*' marks decode time projected from fewer tokens."""
+  rows: dict[tuple, dict[str, dict[str, Any]]] = {}
+  for r in _ok(records, 'peers'):
+    key = (r['model'], r['prompt_len'], r['gen_len'], r.get('budget', ''))
+    rows.setdefault(key, {})[r['system']] = r  # the last run of a system wins
+  lines = ['| model | prompt+gen | memory | flexjax tok/s | Accelerate tok/s | FlexGen tok/s | '
+           'flexjax / Accelerate | flexjax / FlexGen | flexjax block, policy | '
+           'Accelerate batch |',
+           '|---|---|---|---:|---:|---:|---:|---:|---|---:|']
+  for (model, prompt_len, gen_len, budget), systems in rows.items():
+    ours = systems.get('flexjax')
+    cells = [model, f'{prompt_len}+{gen_len}', budget or '—']
+    cells += [_tok_s(systems.get(s)) for s in SYSTEMS]
+    cells += [_ratio(ours, systems.get('accelerate')), _ratio(ours, systems.get('flexgen'))]
+    cells.append(f'{ours["num_prompts"]}: {ours["policy"]}' if ours and ours.get('status') == 'ok'
+                 else '—')
+    acc = systems.get('accelerate')
+    cells.append(str(acc['num_prompts']) if acc and acc.get('status') == 'ok' else '—')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+  if not (a and b and a.get('status') == 'ok' and b.get('status') == 'ok'):
+    return '—'
+  return f'{a["total_tok_s"] / b["total_tok_s"]:.2f}x'
+
+
+def render_ablation(records: Sequence[dict[str, Any]]) -> str:
+  """Table 4: a row per label, a column per (model, lengths, memory) setting."""
+  settings: list[tuple] = []
+  cells: dict[tuple, dict[str, dict[str, Any]]] = {}
+  for r in _ok(records, 'ablation'):
+    setting = (r['model'], r['prompt_len'], r['gen_len'], r.get('budget', ''))
+    if setting not in settings:
+      settings.append(setting)
+    cells.setdefault(r['label'] or r['case'], {})[setting] = r
+  head = [f'{m} {p}+{g}' + (f', {b}' if b else '') for m, p, g, b in settings]
+  lines = ['| ' + ' | '.join(['ablation', *head]) + ' |',
+           '|---|' + '---:|' * len(settings)]
+  for label, row in cells.items():
+    values = []
+    for s in settings:
+      r = row.get(s)
+      detail = f' ({r["num_prompts"]}: {r["policy"]})' if r and r.get('status') == 'ok' else ''
+      values.append(_tok_s(r) + detail)
+    lines.append('| ' + ' | '.join([label, *values]) + ' |')
+  return '\n'.join(lines)
+
+
+def render_breakdown(records: Sequence[dict[str, Any]]) -> str:
+  """Table 8: for each run without overlap, seconds per phase in each part of the work."""
+  lines = ['| case | phase | total s | ' + ' | '.join(p.replace('_', ' ') + ' s'
+                                                    for p in BREAKDOWN_PARTS) + ' | other s |',
+           '|---|---|' + '---:|' * (len(BREAKDOWN_PARTS) + 2)]
+  for r in records:
+    breakdown = r.get('breakdown')
+    if not breakdown:
+      continue
+    for phase in ('prefill', 'decode'):
+      parts = breakdown[phase]
+      other = parts['total'] - sum(parts[p] for p in BREAKDOWN_PARTS)
+      note = f' ({r["measured_gen_len"] - 1} steps measured)' if (
+          phase == 'decode' and r.get('projected')) else ''
+      lines.append('| ' + ' | '.join(
+          [f'{r["case"]} ({r["model"]}, {r.get("num_prompts")} seqs)', phase + note,
+           f'{parts["total"]:.2f}', *(f'{parts[p]:.2f}' for p in BREAKDOWN_PARTS),
+           f'{other:.2f}']) + ' |')
+  return '\n'.join(lines)
+
+
+def frontier(records: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+  """Per system, the (latency s, total tok/s) points of its frontier-table runs that no other run
+  of that system beats on both (lower latency and higher throughput), by latency."""
+  points: dict[str, list[tuple[float, float]]] = {}
+  for r in _ok(records, 'frontier'):
+    if r.get('status') == 'ok':
+      points.setdefault(r['system'], []).append((r['latency_s'], r['total_tok_s']))
+  out = {}
+  for system, pts in points.items():
+    best, kept = -math.inf, []
+    for latency, tok_s in sorted(pts, key=lambda p: (p[0], -p[1])):
+      if tok_s > best:
+        kept.append((latency, tok_s))
+        best = tok_s
+    out[system] = kept
+  return out
+
+
+def render_frontier(records: Sequence[dict[str, Any]]) -> str:
+  lines = ['| system | case | block / batch | latency s | total tok/s | on frontier |',
+           '|---|---|---:|---:|---:|---|']
+  front = frontier(records)
+  for r in _ok(records, 'frontier'):
+    if r.get('status') != 'ok':
+      continue
+    on = (r['latency_s'], r['total_tok_s']) in front.get(r['system'], [])
+    lines.append(f'| {r["system"]} | {r["case"]} | {r["num_prompts"]} | {r["latency_s"]:,.1f} | '
+                 f'{_tok_s(r)} | {"yes" if on else ""} |')
+  return '\n'.join(lines)
+
+
+def render_all(records: Sequence[dict[str, Any]]) -> str:
+  parts = [('Flexjax vs peers (Table 2)', render_peers), ('Ablation (Table 4)', render_ablation),
+           ('Breakdown without overlap (Table 8)', render_breakdown),
+           ('Latency and throughput (Fig. 1)', render_frontier)]
+  text = []
+  for title, fn in parts:
+    table = fn(records)
+    if table.count('\n') > 1:  # more than the header
+      text.append(f'### {title}\n\n{table}\n')
+  text.append('`*`: decode time projected from a shorter generation (the same way for every '
+              'system); OOM: no policy fits the budgets.')
+  return '\n'.join(text)
+
+
+def plot_frontier(records: Sequence[dict[str, Any]], output: str, *, title: str = '') -> None:
+  """Saves throughput against latency (log-log) per system, frontier joined, as a PNG."""
+  try:
+    import matplotlib
+  except ImportError:
+    raise FlexjaxError("--plot needs matplotlib; install it with pip install -e '.[peers]'"
+                       ) from None
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  front = frontier(records)
+  if not front:
+    raise FlexjaxError('no successful runs in the frontier table to plot; run a suite with '
+                       'cases whose "tables" include "frontier"')
+  fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
+  for system in SYSTEMS:
+    runs = [r for r in _ok(records, 'frontier') if r['system'] == system
+            and r.get('status') == 'ok']
+    if not runs:
+      continue
+    line = ax.plot(*zip(*front[system]), marker='o', label=system)[0]
+    ax.scatter([r['latency_s'] for r in runs], [r['total_tok_s'] for r in runs],
+               color=line.get_color(), alpha=0.35, s=14)
+    for r in runs:
+      ax.annotate(str(r['num_prompts']), (r['latency_s'], r['total_tok_s']), fontsize=7,
+                  xytext=(3, 3), textcoords='offset points')
+  ax.set_xscale('log')
+  ax.set_yscale('log')
+  ax.set_xlabel('latency of a block (s)')
+  ax.set_ylabel('generation throughput (token/s)')
+  ax.set_title(title, fontsize=9)
+  ax.grid(True, which='both', alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  target = Path(output)
+  target.parent.mkdir(parents=True, exist_ok=True)
+  tmp = target.with_name(f'.{target.name}.tmp.png')
+  fig.savefig(tmp)
+  plt.close(fig)
+  os.replace(tmp, target)
+
+
+# ---- command line --------------------------------------------------------------------------------
+def define_flags(fv: flags.FlagValues) -> None:
+  f = dict(flag_values=fv)
+  flags.DEFINE_string('suite', None, 'Suite JSON file to run (see the module doc).', **f)
+  flags.DEFINE_list('only', [], 'Run only these cases (by name), in the suite\'s order.', **f)
+  flags.DEFINE_string('output', None, 'JSONL file to append one line per case to.', **f)
+  flags.DEFINE_bool('isolate', True, 'Run each case in a fresh process.', **f)
+  flags.DEFINE_bool('dry_run', False, 'Print each case\'s policy (flexjax: searched for "auto") '
+                    'and predicted throughput; run nothing.', **f)
+  flags.DEFINE_string('render', None, 'Print the markdown tables of this results JSONL.', **f)
+  flags.DEFINE_string('plot', None, 'Plot the frontier of this results JSONL ...', **f)
+  flags.DEFINE_string('plot_output', 'docs/frontier.png', '... into this PNG.', **f)
+  flags.DEFINE_string('plot_title', '', 'Title of the plot.', **f)
+  flags.DEFINE_string('case_json', None, 'Internal: run this one resolved case.', **f)
+  flags.DEFINE_string('context_json', '{}', 'Internal: the suite run\'s shared fields.', **f)
+  flags.DEFINE_string('record_output', None, 'Internal: where the one case\'s record goes.', **f)
+
+
+def run_cli(fv: flags.FlagValues) -> int:
+  try:
+    if fv.case_json:
+      record = run_case(json.loads(fv.case_json), json.loads(fv.context_json))
+      Path(fv.record_output).write_text(json.dumps(record))
+      return 0
+    if fv.render:
+      print(render_all(read_records(fv.render)))
+      return 0
+    if fv.plot:
+      plot_frontier(read_records(fv.plot), fv.plot_output, title=fv.plot_title)
+      print(f'wrote {fv.plot_output}')
+      return 0
+    if not fv.suite or not (fv.output or fv.dry_run):
+      raise FlexjaxError('give --suite=FILE and --output=FILE.jsonl to run, --render=FILE to print '
+                         'tables, or --plot=FILE to draw the frontier')
+    name, cases = load_suite(fv.suite)
+    if fv.only:
+      unknown = sorted(set(fv.only) - {c['name'] for c in cases})
+      if unknown:
+        raise FlexjaxError(f'--only names cases {unknown} that {fv.suite!r} does not have')
+      cases = [c for c in cases if c['name'] in fv.only]
+    if fv.dry_run:
+      for case in cases:
+        print(f'{case["name"]}: {describe_case(case)}')
+      return 0
+    with jsonl_appender(fv.output) as emit:
+      run_suite(name, cases, emit, isolate=fv.isolate,
+                log=lambda line: print(line, file=sys.stderr, flush=True))
+  except FlexjaxError as e:
+    print(f'suite: error: {e}', file=sys.stderr)
+    return 2
+  return 0
+
+
+def main(argv):
+  del argv
+  return run_cli(flags.FLAGS)
+
+
+if __name__ == '__main__':
+  define_flags(flags.FLAGS)
+  app.run(main)
