@@ -1,5 +1,6 @@
 """Offloading: every placement reproduces the all-device run; loads, budgets, offload folder."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 
 from conftest import PROMPTS
 from flexjax.checkpoint import Checkpoint
-from flexjax.engine import Engine, GenerationConfig
+from flexjax.engine import BREAKDOWN_PARTS, Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
 
@@ -60,7 +61,26 @@ def test_placement_reproduces_the_all_device_run(pre_ln, reference, tmp_path, na
   np.testing.assert_allclose(result.logits, reference.logits, atol=1e-5, rtol=0)
   for tier, peak in result.peak_bytes.items():
     assert peak <= result.planned_peak_bytes[tier], (tier, peak, result.planned_peak_bytes)
+  assert (result.breakdown is None) is POLICIES[name].overlap  # parts overlap: no breakdown
   assert list(tmp_path.iterdir()) == []
+
+
+def test_breakdown_without_overlap_charges_each_part(pre_ln, tmp_path):
+  """Seconds per part add up to no more than the phase; offloaded parts take time, parts with
+  nothing offloaded take none."""
+  policy = dataclasses.replace(POLICIES['everything_off_device'], overlap=False)
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, offload_dir=str(tmp_path)) as engine:
+    split = engine.generate(PROMPTS, GEN).breakdown
+    resident = engine.generate(PROMPTS, GEN, policy=dataclasses.replace(
+        policy, cache_gpu_percent=100, cache_cpu_percent=0, act_gpu_percent=100,
+        act_cpu_percent=0)).breakdown
+  for phase in ('prefill', 'decode'):
+    parts = split[phase]
+    assert sum(parts[p] for p in BREAKDOWN_PARTS) <= parts['total'] * 1.001
+    assert min(parts[p] for p in ('compute', 'weight_read', 'hidden_read', 'hidden_write')) > 0
+  assert split['decode']['cache_read'] > 0 and split['prefill']['cache_read'] == 0
+  assert resident['decode']['cache_read'] == 0 and resident['decode']['hidden_read'] < (
+      split['decode']['hidden_read'])
 
 
 def test_post_ln_model_with_everything_split(tiny, tmp_path):

@@ -54,6 +54,24 @@ def test_lp_prefers_the_faster_tier_for_weights():
   assert x['wd'] == pytest.approx(0, abs=1e-6) and x['wc'] > 0 and x['wg'] < 1
 
 
+def test_fixed_percents_are_held_and_ties_go_to_the_faster_tier():
+  """Compute-bound (prompt 128 on a 2-core CPU profile): where the weights live is hidden behind
+  compute, so only the tie-break keeps them on the host rather than on disk."""
+  cfg, cpu = preset('opt-1.3b'), HardwareProfile.load('configs/hw/cpu-2core.json')
+  budgets = {'device': 6 * GIB, 'host': 1 * GIB, 'disk': 100 * GIB}
+  free = search(cfg, cpu, budgets, prompt_len=128, gen_len=32, sizes=FP32, max_block_size=32)
+  assert free.policy.w_gpu_percent > 0  # the device tier has room for weights
+  held = search(cfg, cpu, budgets, prompt_len=128, gen_len=32, sizes=FP32, max_block_size=32,
+                template=Policy(w_gpu_percent=0, cache_gpu_percent=100, cache_cpu_percent=0),
+                fixed_percents=('w_gpu_percent', 'cache_gpu_percent', 'cache_cpu_percent'))
+  p = held.policy
+  assert (p.w_gpu_percent, p.cache_gpu_percent, p.cache_cpu_percent) == (0, 100, 0)
+  assert p.w_cpu_percent > 20 and held.planned_peak_bytes['host'] <= budgets['host']
+  with pytest.raises(FlexjaxError, match=r"\['gpu_batch_size'\]"):
+    search(cfg, cpu, budgets, prompt_len=128, gen_len=32, sizes=FP32,
+           fixed_percents=('gpu_batch_size',))
+
+
 def test_more_memory_never_predicts_lower_throughput():
   cfg = preset('opt-6.7b')
   previous = 0.0

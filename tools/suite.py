@@ -19,7 +19,8 @@ A suite file (JSON) has "defaults" and "cases"; a case is the defaults updated b
   label           the row's name in the ablation table (e.g. "no overlap")
   flexjax:  policy ("auto": the cost-model search, or a dict of Policy fields), fixed (Policy
             fields that "auto" keeps instead of searching, e.g. {"overlap": false}),
-            max_block_size, hw_profile (paper-t4 or a profile JSON), compute_dtype
+            max_block_size, hw_profile (paper-t4 or a profile JSON; default: this machine,
+            measured once and cached), compute_dtype
   accelerate: batch_size, dtype it computes in (float32 | bfloat16 | float16; the checkpoint
             holds float16 like flexjax's weights), checkpoint_cache (folder)
   flexgen:  policy as for flexjax, or "from:<case name>": the policy flexjax ran in that case
@@ -108,6 +109,8 @@ def check_case(case: dict[str, Any]) -> dict[str, Any]:
   if unknown:
     raise FlexjaxError(f'case {name!r}: unknown keys {unknown} for system {system!r}; known: '
                        f'{sorted(allowed)}')
+  if 'model' not in case:
+    raise FlexjaxError(f'case {name!r} has no "model"; give a preset such as "opt-1.3b"')
   model_config(case['model'])  # raises on an unknown model
   bad_tables = sorted(set(case['tables']) - set(TABLES))
   if bad_tables:
@@ -115,19 +118,22 @@ def check_case(case: dict[str, Any]) -> dict[str, Any]:
   if case['page_cache'] not in ('warm', 'dropped'):
     raise FlexjaxError(f'case {name!r}: page_cache={case["page_cache"]!r}; use warm or dropped')
   policy = case.get('policy')
-  if system == 'flexjax' or system == 'flexgen' and isinstance(policy, dict):
-    if policy != 'auto' and not isinstance(policy, dict):
-      raise FlexjaxError(f'case {name!r}: policy={policy!r}; use "auto" or a dict of Policy '
-                         'fields')
-    for fields in ((policy if isinstance(policy, dict) else {}), case.get('fixed', {})):
-      _policy_from(fields, name)
-  elif system == 'flexgen' and not (isinstance(policy, str) and policy.startswith('from:')):
+  if system == 'flexjax' and policy != 'auto' and not isinstance(policy, dict):
+    raise FlexjaxError(f'case {name!r}: policy={policy!r}; use "auto" or a dict of Policy fields')
+  if system == 'flexgen' and not (isinstance(policy, dict) or isinstance(policy, str)
+                                  and policy.startswith('from:')):
     raise FlexjaxError(f'case {name!r}: FlexGen needs policy = a dict of Policy fields or '
                        '"from:<flexjax case name>"')
+  if isinstance(policy, dict):
+    _policy_from(policy, name)
+  if system == 'flexjax':
+    _policy_from(case['fixed'], name)
   return {k: v for k, v in case.items() if k in allowed}
 
 
 def _policy_from(fields: dict[str, Any], case: str, base: Policy = Policy()) -> Policy:
+  if not isinstance(fields, dict):
+    raise FlexjaxError(f'case {case!r}: {fields!r} should be a dict of Policy fields')
   known = {f.name for f in dataclasses.fields(Policy)}
   unknown = sorted(set(fields) - known)
   if unknown:
@@ -192,9 +198,11 @@ def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
   fixed = case['fixed']
   if case['policy'] != 'auto':
     return _policy_from({**case['policy'], **fixed}, case['name']), profile
-  if profile is None:
-    raise FlexjaxError(f'case {case["name"]!r}: policy "auto" needs hw_profile (paper-t4 or a '
-                       'profile JSON such as configs/hw/cpu-2core.json)')
+  if profile is None:  # this machine's, measured once and cached
+    import jax
+    from flexjax.run import resolve_profile
+    profile = resolve_profile(None, jax.devices()[0], measure_if_missing=True,
+                              scratch_dir=case['offload_dir'])
   budgets = budgets_of(case)
   if budgets['disk'] is None:
     budgets['disk'] = _free_disk(case['offload_dir'])
@@ -372,7 +380,9 @@ def _tok_s(record: dict[str, Any] | None) -> str:
     return 'OOM'
   if record.get('status') != 'ok':
     return 'failed'
-  return fmt_number(record['total_tok_s']) + ('*' if record.get('projected') else '')
+  value = record['total_tok_s']
+  text = f'{value:.2f}' if value < 10 else fmt_number(value)
+  return text + ('*' if record.get('projected') else '')
 
 
 def render_peers(records: Sequence[dict[str, Any]]) -> str:
@@ -384,8 +394,8 @@ def render_peers(records: Sequence[dict[str, Any]]) -> str:
     rows.setdefault(key, {})[r['system']] = r  # the last run of a system wins
   lines = ['| model | prompt+gen | memory | flexjax tok/s | Accelerate tok/s | FlexGen tok/s | '
            'flexjax / Accelerate | flexjax / FlexGen | flexjax block, policy | '
-           'Accelerate batch |',
-           '|---|---|---|---:|---:|---:|---:|---:|---|---:|']
+           'Accelerate batch | peak RSS GiB flexjax / Accelerate |',
+           '|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|']
   for (model, prompt_len, gen_len, budget), systems in rows.items():
     ours = systems.get('flexjax')
     cells = [model, f'{prompt_len}+{gen_len}', budget or '—']
@@ -395,8 +405,14 @@ def render_peers(records: Sequence[dict[str, Any]]) -> str:
                  else '—')
     acc = systems.get('accelerate')
     cells.append(str(acc['num_prompts']) if acc and acc.get('status') == 'ok' else '—')
+    cells.append(' / '.join(_rss(systems.get(s)) for s in ('flexjax', 'accelerate')))
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
+
+
+def _rss(record: dict[str, Any] | None) -> str:
+  value = (record or {}).get('host_peak_rss_bytes')
+  return '—' if value is None else f'{value / 2**30:.1f}'
 
 
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
@@ -467,15 +483,16 @@ def frontier(records: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, f
 
 
 def render_frontier(records: Sequence[dict[str, Any]]) -> str:
-  lines = ['| system | case | block / batch | latency s | total tok/s | on frontier |',
-           '|---|---|---:|---:|---:|---|']
+  lines = ['| system | case | block / batch | latency s | total tok/s | peak RSS GiB | '
+           'on frontier |',
+           '|---|---|---:|---:|---:|---:|---|']
   front = frontier(records)
   for r in _ok(records, 'frontier'):
     if r.get('status') != 'ok':
       continue
     on = (r['latency_s'], r['total_tok_s']) in front.get(r['system'], [])
     lines.append(f'| {r["system"]} | {r["case"]} | {r["num_prompts"]} | {r["latency_s"]:,.1f} | '
-                 f'{_tok_s(r)} | {"yes" if on else ""} |')
+                 f'{_tok_s(r)} | {_rss(r)} | {"yes" if on else ""} |')
   return '\n'.join(lines)
 
 
