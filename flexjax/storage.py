@@ -4,6 +4,7 @@ folder), each with a byte budget and current/peak accounting; and arrays split a
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -45,7 +46,11 @@ class TierAccount:
 
 class DiskArray:
   """A fixed-shape array in a file; reads return fresh host copies (optionally dropping the pages
-  from the OS page cache afterwards, so later reads really hit the disk)."""
+  from the OS page cache afterwards, so later reads really hit the disk).
+
+  The file is mapped only for the duration of one access: the kernel cannot drop pages that a
+  process still maps, so a persistent mapping would keep every page ever read resident.
+  """
 
   def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype, drop_page_cache: bool):
     self.path = path
@@ -53,22 +58,30 @@ class DiskArray:
     self.dtype = np.dtype(dtype)
     self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
     self._drop = drop_page_cache
+    self._open = True
     with open(path, 'wb') as f:
       f.truncate(self.nbytes)
-    self._map = np.memmap(path, dtype=self.dtype, mode='r+', shape=shape) if self.nbytes else None
 
   def write(self, index: Any, value: np.ndarray) -> None:
-    if self._map is None:
+    if not self.nbytes or not self._open:
       return
-    self._map[index] = value
+    with open(self.path, 'r+b') as f, mmap.mmap(f.fileno(), self.nbytes) as mapping:
+      view = np.frombuffer(mapping, self.dtype).reshape(self.shape)
+      view[index] = value
+      del view  # the mapping closes (unmaps) only once no array refers to it
+      if self._drop:
+        mapping.flush()  # dirty pages must reach the disk before they can be dropped
     if self._drop:
-      self._map.flush()
       self._advise_dontneed()
 
   def read(self, index: Any = ...) -> np.ndarray:
-    if self._map is None:
+    if not self.nbytes or not self._open:
       return np.zeros(self.shape, self.dtype)[index]
-    out = np.array(self._map[index], copy=True)
+    with open(self.path, 'rb') as f, mmap.mmap(f.fileno(), self.nbytes,
+                                              access=mmap.ACCESS_READ) as mapping:
+      view = np.frombuffer(mapping, self.dtype).reshape(self.shape)
+      out = np.array(view[index], copy=True)
+      del view
     if self._drop:
       self._advise_dontneed()
     return out
@@ -81,7 +94,7 @@ class DiskArray:
       os.close(fd)
 
   def close(self) -> None:
-    self._map = None
+    self._open = False
 
 
 class Storage:

@@ -66,7 +66,7 @@ def test_fixed_percents_are_held_and_ties_go_to_the_faster_tier():
                 fixed_percents=('w_gpu_percent', 'cache_gpu_percent', 'cache_cpu_percent'))
   p = held.policy
   assert (p.w_gpu_percent, p.cache_gpu_percent, p.cache_cpu_percent) == (0, 100, 0)
-  assert p.w_cpu_percent > 20 and held.planned_peak_bytes['host'] <= budgets['host']
+  assert p.w_cpu_percent > 0 and held.planned_peak_bytes['host'] <= budgets['host']
   with pytest.raises(FlexjaxError, match=r"\['gpu_batch_size'\]"):
     search(cfg, cpu, budgets, prompt_len=128, gen_len=32, sizes=FP32,
            fixed_percents=('gpu_batch_size',))

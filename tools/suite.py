@@ -87,7 +87,13 @@ def load_suite(path: str) -> tuple[str, list[dict[str, Any]]]:
   if not isinstance(spec, dict) or not isinstance(spec.get('cases'), list):
     raise FlexjaxError(f'--suite={path!r} needs an object with a "cases" list')
   defaults = spec.get('defaults', {})
-  cases = [check_case({**DEFAULTS, **defaults, **case}) for case in spec['cases']]
+  every_key = {key for keys in CASE_KEYS.values() for key in keys}
+  unknown = sorted(set(defaults) - every_key)
+  if unknown:
+    raise FlexjaxError(f'--suite={path!r}: unknown default keys {unknown}; known: '
+                       f'{sorted(every_key)}')
+  cases = [check_case({**DEFAULTS, **defaults, **case}, own_keys=set(case))
+           for case in spec['cases']]
   names = [case['name'] for case in cases]
   repeated = sorted({n for n in names if names.count(n) > 1})
   if repeated:
@@ -95,8 +101,9 @@ def load_suite(path: str) -> tuple[str, list[dict[str, Any]]]:
   return spec.get('name', p.stem), cases
 
 
-def check_case(case: dict[str, Any]) -> dict[str, Any]:
-  """Validates one case; returns it. Errors name the case and the key."""
+def check_case(case: dict[str, Any], own_keys: set[str] | None = None) -> dict[str, Any]:
+  """Validates one case (defaults applied; own_keys: those the case itself sets, which must all
+  apply to its system); returns it with only its system's keys. Errors name the case and key."""
   name = case.get('name')
   if not name:
     raise FlexjaxError(f'a case has no "name": {json.dumps(case)[:120]}')
@@ -104,8 +111,8 @@ def check_case(case: dict[str, Any]) -> dict[str, Any]:
   if system not in SYSTEMS:
     raise FlexjaxError(f'case {name!r}: system={system!r}; use one of {", ".join(SYSTEMS)}')
   allowed = set(CASE_KEYS['common']) | set(CASE_KEYS[system])
-  ignored = set(DEFAULTS) - allowed  # defaults of the other systems
-  unknown = sorted(set(case) - allowed - ignored)
+  unknown = sorted((set(case) if own_keys is None else own_keys) - allowed - (
+      set() if own_keys is not None else set(DEFAULTS)))
   if unknown:
     raise FlexjaxError(f'case {name!r}: unknown keys {unknown} for system {system!r}; known: '
                        f'{sorted(allowed)}')
