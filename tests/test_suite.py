@@ -1,4 +1,4 @@
-"""Tests of tools/suite.py: suite files, one case end to end on a tiny OPT, records, tables, plot."""
+"""tools/suite.py: suite files, tiny cases end to end, records, tables, the plot."""
 
 import json
 import math

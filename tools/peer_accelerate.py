@@ -1,12 +1,13 @@
 """Peer runner: Hugging Face transformers + Accelerate with offloading, run as its users run it.
 
-The model is loaded with `from_pretrained(..., device_map='auto', max_memory=..., offload_folder=...)`
-from a checkpoint holding flexjax's dummy weights (the same values flexjax benchmarks with, stored
-in float16 as flexjax stores them), written once as Hugging Face safetensors shards and kept in a
-cache folder; `dtype` is what Accelerate loads them as and computes in (float32 on CPUs without
-native half-precision matrix units, where torch's bfloat16/float16 matmuls are ~500x slower). Accelerate puts what fits the
-memory budget on the device/CPU and reads the rest from disk for every forward pass. Prompts are
-flexjax's synthetic prompts; generation is greedy and never stops early.
+The model is loaded with from_pretrained(..., device_map='auto', max_memory=...,
+offload_folder=...) from a checkpoint holding flexjax's dummy weights (the same values flexjax
+benchmarks with, stored in float16 as flexjax stores them), written once as Hugging Face
+safetensors shards and kept in a cache folder. `dtype` is what Accelerate loads them as and
+computes in: float32 on CPUs without native half-precision matrix units, where torch's
+bfloat16/float16 matmuls are ~500x slower. Accelerate puts what fits the memory budget on the
+device/CPU and reads the rest from disk for every forward pass. Prompts are flexjax's synthetic
+prompts; generation is greedy and never stops early.
 
 With page_cache='dropped' the checkpoint and offload files are dropped from the OS page cache
 before the prefill and before every decode step (the time this takes is not counted), so disk
