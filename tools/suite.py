@@ -13,10 +13,11 @@ A suite file (JSON) has "defaults" and "cases"; a case is the defaults updated b
   prompt_len, gen_len, projected_gen_len (generate that many, extrapolate decode to gen_len)
   page_cache      warm | dropped (offloaded files dropped from the page cache at every access)
   gpu_mem, cpu_mem, disk_mem   budgets in GiB (flexjax: per tier; Accelerate: its max_memory for
-                  the GPU and the CPU, the rest on disk); null: unlimited (detected for auto)
+                  the GPU and the CPU, the rest on disk); null: unlimited (free disk for auto)
   budget          label of the memory setting in tables (e.g. "2 GiB RAM")
   tables          which tables the case belongs to: peers, ablation, frontier
   label           the row's name in the ablation table (e.g. "no overlap")
+  offload_dir     parent of the run's offload folders (default: the system temp folder)
   flexjax:  policy ("auto": the cost-model search, or a dict of Policy fields), fixed (Policy
             fields that "auto" keeps instead of searching, e.g. {"overlap": false}),
             max_block_size, hw_profile (paper-t4 or a profile JSON; default: this machine,
