@@ -136,7 +136,9 @@ def test_offload_dir_is_removed_after_sigint(tmp_path):
       [sys.executable, '-m', 'flexjax.main', '--model=opt-125m', '--w_gpu_percent=0',
        '--w_cpu_percent=0', f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400',
        '--gpu_batch_size=2'], env=env, cwd=Path(__file__).resolve().parents[1],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      # a shell's background jobs inherit SIGINT ignored, and Python then keeps ignoring it
+      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   deadline = time.time() + 120
   while time.time() < deadline and not (offload.is_dir() and any(offload.iterdir())):
     assert proc.poll() is None, proc.communicate()[1]
