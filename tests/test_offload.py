@@ -132,13 +132,15 @@ def test_offload_dir_is_removed_after_an_exception(pre_ln, tmp_path):
 def test_offload_dir_is_removed_after_sigint(tmp_path):
   offload = tmp_path / 'offload'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
+  args = ['flexjax.main', '--model=opt-125m', '--w_gpu_percent=0', '--w_cpu_percent=0',
+          f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400', '--gpu_batch_size=2']
+  # A shell's background jobs start with SIGINT ignored, which Python keeps: the child turns
+  # Ctrl-C back into KeyboardInterrupt before running flexjax.main as `python -m` would.
+  launch = ('import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); '
+            f'sys.argv = {args!r}; runpy.run_module("flexjax.main", run_name="__main__")')
   proc = subprocess.Popen(
-      [sys.executable, '-m', 'flexjax.main', '--model=opt-125m', '--w_gpu_percent=0',
-       '--w_cpu_percent=0', f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400',
-       '--gpu_batch_size=2'], env=env, cwd=Path(__file__).resolve().parents[1],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      # a shell's background jobs inherit SIGINT ignored, and Python then keeps ignoring it
-      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+      [sys.executable, '-c', launch], env=env, cwd=Path(__file__).resolve().parents[1],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 120
   while time.time() < deadline and not (offload.is_dir() and any(offload.iterdir())):
     assert proc.poll() is None, proc.communicate()[1]
