@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import sys
 from typing import Any, Callable, Sequence
 
-from absl import app, flags
+from absl import flags
 
 from flexjax import config as config_lib
 from flexjax import memory
@@ -37,8 +36,8 @@ from flexjax.model.params import layer_name
 from flexjax.policy import Policy
 from flexjax import flags as flags_lib
 from tools.benchlib import (fmt_number, git_commit, host_peak_rss, jsonl_appender, machine_info,
-                            new_run_id, read_records, reset_peak_rss, throughputs, timestamp,
-                            versions)
+                            new_run_id, read_records, report_error, reset_peak_rss, run_tool,
+                            throughputs, timestamp, versions)
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -282,16 +281,9 @@ def run_cli(fv: flags.FlagValues) -> int:
     with jsonl_appender(fv.output) as emit:
       run_all(emit, **settings)
   except FlexjaxError as e:
-    print(f'bench_offload: error: {e}', file=sys.stderr)
-    return 2
+    return report_error('bench_offload', e)
   return 0
 
 
-def main(argv):
-  del argv
-  return run_cli(flags.FLAGS)
-
-
 if __name__ == '__main__':
-  define_flags(flags.FLAGS)
-  app.run(main)
+  run_tool(define_flags, run_cli)

@@ -11,8 +11,9 @@ import os
 import platform
 import resource
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from flexjax.errors import FlexjaxError
 from flexjax.run import meminfo_bytes  # noqa: F401  (re-exported for the tools)
@@ -139,3 +140,18 @@ def jsonl_appender(path: str | os.PathLike):
       f.write(line + '\n')
       f.flush()
     yield emit
+
+
+# ---- entry points --------------------------------------------------------------------------------
+def report_error(tool: str, error: Exception) -> int:
+  """A tool's one-line error on stderr; returns its exit status."""
+  print(f'{tool}: error: {error}', file=sys.stderr)
+  return 2
+
+
+def run_tool(define_flags: Callable[[Any], None], run_cli: Callable[[Any], int]) -> None:
+  """Defines a tool's flags and runs it with absl (flags are defined only here, so importing a
+  tool is free)."""
+  from absl import app, flags
+  define_flags(flags.FLAGS)
+  app.run(lambda argv: run_cli(flags.FLAGS))

@@ -46,7 +46,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from absl import app, flags
+from absl import flags
 
 from flexjax import config as config_lib
 from flexjax import memory
@@ -54,7 +54,8 @@ from flexjax.engine import BREAKDOWN_PARTS
 from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
 from tools import bench_offload
-from tools.benchlib import fmt_number, jsonl_appender, read_records, throughputs, timestamp
+from tools.benchlib import (fmt_number, jsonl_appender, read_records, report_error, run_tool,
+                            throughputs, timestamp)
 
 SYSTEMS = ('flexjax', 'accelerate', 'flexgen')
 TABLES = ('peers', 'ablation', 'frontier')
@@ -176,11 +177,7 @@ def run_case(case: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
                               projected_gen_len=case['projected_gen_len'])
   runner = {'flexjax': _run_flexjax, 'accelerate': _run_accelerate,
             'flexgen': _run_flexgen}[case['system']]
-  base = {'tool': 'suite', 'case': case['name'], 'system': case['system'],
-          'model': cfg.name, 'label': case['label'], 'budget': case['budget'],
-          'tables': list(case['tables']), 'prompt_len': case['prompt_len'],
-          'gen_len': case['gen_len'], 'page_cache': case['page_cache'],
-          'budgets': budgets_of(case), 'spec': case, **context}
+  base = record_head(case, context)
   try:
     measured = runner(cfg, case)
   except FlexjaxError as e:
@@ -194,6 +191,15 @@ def run_case(case: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
   record['latency_s'] = record['prefill_s'] + record['decode_s']
   record['timestamp'] = timestamp()
   return record
+
+
+def record_head(case: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+  """The fields every record of a case has, whatever its outcome."""
+  return {'tool': 'suite', 'case': case['name'], 'system': case['system'],
+          'model': _model_name(case['model']), 'label': case['label'], 'budget': case['budget'],
+          'tables': list(case['tables']), 'prompt_len': case['prompt_len'],
+          'gen_len': case['gen_len'], 'page_cache': case['page_cache'],
+          'budgets': budgets_of(case), 'spec': case, **context}
 
 
 def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
@@ -294,9 +300,7 @@ def _run_flexgen(cfg, case) -> dict[str, Any]:
       cfg.name, policy, prompt_len=case['prompt_len'], gen_len=case['gen_len'],
       projected_gen_len=case['projected_gen_len'],
       offload_dir=case['offload_dir'] or tempfile.gettempdir())
-  return {**out, 'num_prompts': policy.block_size, 'policy_fields': dataclasses.asdict(policy),
-          'measured_gen_len': case['projected_gen_len'] or case['gen_len'],
-          'peak_bytes': {'device': out.get('gpu_peak_bytes')}}
+  return {**out, 'peak_bytes': {'device': out['gpu_peak_bytes']}}
 
 
 def describe_case(case: dict[str, Any]) -> str:
@@ -348,12 +352,8 @@ def run_suite(suite_name: str, cases: Sequence[dict[str, Any]],
       resolved = resolve(case, done)
       record = _run_isolated(resolved, context) if isolate else run_case(resolved, context)
     except FlexjaxError as e:
-      record = {'tool': 'suite', 'case': case['name'], 'system': case['system'],
-                'model': _model_name(case['model']), 'label': case['label'],
-                'budget': case['budget'],
-                'tables': list(case['tables']), 'prompt_len': case['prompt_len'],
-                'gen_len': case['gen_len'], 'spec': case, **context, 'status': 'failed',
-                'error': str(e), 'timestamp': timestamp()}
+      record = {**record_head(case, context), 'status': 'failed', 'error': str(e),
+                'timestamp': timestamp()}
     emit(record)
     done.append(record)
   return done
@@ -377,7 +377,7 @@ def _run_isolated(case: dict[str, Any], context: dict[str, Any]) -> dict[str, An
 
 
 # ---- tables --------------------------------------------------------------------------------------
-def _ok(records: Iterable[dict[str, Any]], table: str) -> list[dict[str, Any]]:
+def _in_table(records: Iterable[dict[str, Any]], table: str) -> list[dict[str, Any]]:
   return [r for r in records if table in r.get('tables', ())]
 
 
@@ -397,7 +397,7 @@ def render_peers(records: Sequence[dict[str, Any]]) -> str:
   """Table 2: per model, lengths and memory setting, each system's total tok/s, its batch and
   policy, and flexjax's ratio to each peer. '*' marks decode time projected from fewer tokens."""
   rows: dict[tuple, dict[str, dict[str, Any]]] = {}
-  for r in _ok(records, 'peers'):
+  for r in _in_table(records, 'peers'):
     key = (r['model'], r['prompt_len'], r['gen_len'], r.get('budget', ''))
     rows.setdefault(key, {})[r['system']] = r  # the last run of a system wins
   lines = ['| model | prompt+gen | memory | flexjax tok/s | Accelerate tok/s | FlexGen tok/s | '
@@ -433,7 +433,7 @@ def render_ablation(records: Sequence[dict[str, Any]]) -> str:
   """Table 4: a row per label, a column per (model, lengths, memory) setting."""
   settings: list[tuple] = []
   cells: dict[tuple, dict[str, dict[str, Any]]] = {}
-  for r in _ok(records, 'ablation'):
+  for r in _in_table(records, 'ablation'):
     setting = (r['model'], r['prompt_len'], r['gen_len'], r.get('budget', ''))
     if setting not in settings:
       settings.append(setting)
@@ -476,7 +476,7 @@ def frontier(records: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, f
   """Per system, the (latency s, total tok/s) points of its frontier-table runs that no other run
   of that system beats on both (lower latency and higher throughput), by latency."""
   points: dict[str, list[tuple[float, float]]] = {}
-  for r in _ok(records, 'frontier'):
+  for r in _in_table(records, 'frontier'):
     if r.get('status') == 'ok':
       points.setdefault(r['system'], []).append((r['latency_s'], r['total_tok_s']))
   out = {}
@@ -495,7 +495,7 @@ def render_frontier(records: Sequence[dict[str, Any]]) -> str:
            'on frontier |',
            '|---|---|---:|---:|---:|---:|---|']
   front = frontier(records)
-  for r in _ok(records, 'frontier'):
+  for r in _in_table(records, 'frontier'):
     if r.get('status') != 'ok':
       continue
     on = (r['latency_s'], r['total_tok_s']) in front.get(r['system'], [])
@@ -533,7 +533,7 @@ def plot_frontier(records: Sequence[dict[str, Any]], output: str, *, title: str 
                        'cases whose "tables" include "frontier"')
   fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
   for system in SYSTEMS:
-    runs = [r for r in _ok(records, 'frontier') if r['system'] == system
+    runs = [r for r in _in_table(records, 'frontier') if r['system'] == system
             and r.get('status') == 'ok']
     if not runs:
       continue
@@ -607,16 +607,9 @@ def run_cli(fv: flags.FlagValues) -> int:
       run_suite(name, cases, emit, isolate=fv.isolate,
                 log=lambda line: print(line, file=sys.stderr, flush=True))
   except FlexjaxError as e:
-    print(f'suite: error: {e}', file=sys.stderr)
-    return 2
+    return report_error('suite', e)
   return 0
 
 
-def main(argv):
-  del argv
-  return run_cli(flags.FLAGS)
-
-
 if __name__ == '__main__':
-  define_flags(flags.FLAGS)
-  app.run(main)
+  run_tool(define_flags, run_cli)
