@@ -10,36 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from flexjax import memory
+from flexjax import plan as plan_lib
+from flexjax.plan import Linear, term
 from flexjax.config import ModelConfig
 from flexjax.hardware import HardwareProfile
 from flexjax.policy import Policy
 
 FRACTIONS = ('wg', 'wc', 'wd', 'cg', 'cc', 'cd', 'hg', 'hc', 'hd')
-
-
-@dataclasses.dataclass
-class Linear:
-  """const + sum(coef[v] * v) over placement fractions."""
-
-  const: float = 0.0
-  coef: dict[str, float] = dataclasses.field(default_factory=dict)
-
-  def __add__(self, other: 'Linear') -> 'Linear':
-    coef = dict(self.coef)
-    for k, v in other.coef.items():
-      coef[k] = coef.get(k, 0.0) + v
-    return Linear(self.const + other.const, coef)
-
-  def __mul__(self, factor: float) -> 'Linear':
-    return Linear(self.const * factor, {k: v * factor for k, v in self.coef.items()})
-
-  def value(self, x: dict[str, float]) -> float:
-    return self.const + sum(c * x[k] for k, c in self.coef.items())
-
-
-def term(const: float = 0.0, **coef: float) -> Linear:
-  return Linear(const, coef)
 
 
 def fractions(policy: Policy, cfg: ModelConfig | None = None) -> dict[str, float]:
@@ -48,12 +25,7 @@ def fractions(policy: Policy, cfg: ModelConfig | None = None) -> dict[str, float
   out = {'wg': policy.w_gpu_percent / 100, 'wc': policy.w_cpu_percent / 100,
          'wd': policy.w_disk_percent / 100}
   if cfg is not None:
-    placed = {'device': 0, 'host': 0, 'disk': 0}
-    unit = memory.Itemsizes(1, 1, 1)
-    for stage, count in memory.distinct_stages(cfg).items():
-      shapes = memory.stage_shapes(cfg, stage)
-      for path, tier in memory.place_stage(cfg, stage, policy).items():
-        placed[tier] += count * memory.tensor_bytes(policy, unit, shapes[path])[0]
+    placed = plan_lib.weight_totals(cfg, policy, plan_lib.Itemsizes(1, 1, 1)).stored
     total = sum(placed.values())
     out.update(wg=placed['device'] / total, wc=placed['host'] / total, wd=placed['disk'] / total)
   for kind, letter in (('cache', 'c'), ('act', 'h')):
@@ -100,30 +72,23 @@ class Prediction:
   peak_bytes: dict[str, int]
 
 
-def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.Itemsizes, *,
-          prompt_len: int, gen_len: int) -> Model:
+def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib.Itemsizes, *,
+          prompt_len: int, gen_len: int, planner: plan_lib.Planner | None = None) -> Model:
   """The cost model for `policy`'s batch geometry, overlap, CPU attention and approximations
-  (its placement percentages are the free variables)."""
+  (its placement percentages are the free variables). Memory comes from the execution plan's
+  buffers (planner.forms); without a planner, one for this backend is made."""
   L, h = cfg.num_layers, cfg.hidden_size
   gbs, bls = policy.gpu_batch_size, policy.block_size
   s, n = prompt_len, gen_len
   t = s + n - 1  # cache positions
   avg = s + n / 2  # average attended positions while decoding
-  buffers = 2 if policy.overlap else 1
-  inflight = 3 if policy.overlap else 1  # as memory.peak_bytes
   cpu_att = policy.cpu_attention
 
-  stored, on_device, resident = {}, {}, {}
-  for stage in ('embed', 'layer_000', 'head'):  # every decoder layer has the same shapes
-    shapes = memory.stage_shapes(cfg, stage).values()
-    pairs = [memory.tensor_bytes(policy, sizes, shape) for shape in shapes]
-    stored[stage] = sum(p[0] for p in pairs)
-    on_device[stage] = sum(p[1] for p in pairs)  # once loaded
-    resident[stage] = sum(p[0] if memory.compressed(policy, shape) else p[1]
-                          for p, shape in zip(pairs, shapes))
+  stored = {stage: sum(slot.stored for slot in plan_lib.stage_layout(cfg, policy, sizes, stage))
+            for stage in ('embed', 'layer_000', 'head')}  # every decoder layer is alike
   w_layer = stored['layer_000']
   w_ends = stored['embed'] + stored['head']
-  k_tok = memory.cache_row_bytes(cfg, policy, sizes)  # K (or V) of one token, one layer
+  k_tok = plan_lib.cache_row_bytes(cfg, policy, sizes)  # K (or V) of one token, one layer
   read_v = policy.attn_sparsity if policy.attn_sparsity < 1 else 1.0
   kv_read_tok = k_tok * (1 + read_v)  # bytes read per attended position (K and kept V)
   hid = h * sizes.compute
@@ -161,29 +126,9 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.I
       'dtoc': term(wd=w_ends / hw.dtoc_bw),
       'compute': term(rows * head_flops / mm),
   }
-  # Memory, mirroring memory.peak_bytes with fractions in place of rows and tensors.
-  w_all_store = w_ends + L * w_layer
-  w_all_dev = resident['embed'] + resident['head'] + L * resident['layer_000']
-  w_max_dev = max(on_device.values())
-  largest_tensor = max(memory.tensor_bytes(policy, sizes, shape)[0]
-                       for stage in ('embed', 'layer_000', 'head')
-                       for shape in memory.stage_shapes(cfg, stage).values())
-  kv_seq = 2 * t * k_tok  # K and V of one sequence, one layer
-  kv_read_seq = t * kv_read_tok
-  act_seq = s * hid
-  base = term(buffers * w_max_dev, wg=w_all_dev - buffers * w_max_dev,
-              cg=L * bls * kv_seq, hg=bls * act_seq - inflight * gbs * act_seq)
-  base = base + term(inflight * gbs * act_seq)
-  prefill_working = term(buffers * gbs * 2 * s * h * sizes.cache)
-  decode_working = (term() if cpu_att
-                    else term(cc=inflight * gbs * kv_read_seq, cd=inflight * gbs * kv_read_seq))
-  mem = {
-      'device': [base + prefill_working, base + decode_working],
-      'host': [term(wc=w_all_store, cc=L * bls * kv_seq, hc=bls * act_seq,
-                    wd=largest_tensor, cd=inflight * gbs * kv_read_seq,
-                    hd=inflight * gbs * act_seq)],
-      'disk': [term(wd=w_all_store, cd=L * bls * kv_seq, hd=bls * act_seq)],
-  }
+  if planner is None:
+    planner = plan_lib.Planner.for_sizes(cfg, sizes, device_is_host=hw.copies_share_compute)
+  mem = planner.forms(policy, prompt_len=prompt_len, gen_len=gen_len)
   terms = [prefill, decode, ends(bls, hw.matmul_flops(gbs)), ends(bls, mm_g)]
   if hw.copies_share_compute:
     terms = [_share_compute(t) for t in terms]
@@ -198,9 +143,10 @@ def _share_compute(terms: dict[str, Linear]) -> dict[str, Linear]:
   return {k: v for k, v in terms.items() if k in ('dtoc', 'ctod')} | {'compute': shared}
 
 
-def predict(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: memory.Itemsizes, *,
-            prompt_len: int, gen_len: int) -> Prediction:
+def predict(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib.Itemsizes, *,
+            prompt_len: int, gen_len: int,
+            planner: plan_lib.Planner | None = None) -> Prediction:
   """Predicted block time, throughput and peak bytes of a hand-given or searched policy."""
-  model = build(cfg, policy, hw, sizes, prompt_len=prompt_len, gen_len=gen_len)
+  model = build(cfg, policy, hw, sizes, prompt_len=prompt_len, gen_len=gen_len, planner=planner)
   return model.predict(fractions(policy, cfg))
 

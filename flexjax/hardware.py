@@ -18,6 +18,9 @@ import numpy as np
 from flexjax.errors import FlexjaxError
 
 GB = 1e9
+# Defaults of the CPU backend's overhead (see runtime_overhead).
+CPU_RUNTIME_OVERHEAD = 160 * 2**20
+CPU_COMPILE_OVERHEAD = 96 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,10 @@ class HardwareProfile:
   # True where the "device" is the host CPU: copies between tiers and layer compute then share
   # the same cores and memory bus, so only disk waits overlap with compute.
   copies_share_compute: bool = False
+  # The runtime's own memory on this backend beside the plan's buffers (execution plan): kept
+  # once the steps are compiled and have run, and the compiler's extra while compiling.
+  runtime_overhead_bytes: int | None = None
+  compile_overhead_bytes: int | None = None
 
   def matmul_flops(self, rows: int) -> float:
     return _interpolate(self.mm_flops, rows)
@@ -85,6 +92,26 @@ def _interpolate(table: dict[int, float], rows: int) -> float:
     return table[sizes[-1]]
   x = np.log([s for s in sizes])
   return float(np.interp(np.log(rows), x, [table[s] for s in sizes]))
+
+
+def cpu_device():
+  """The host CPU as a jax device (CPU attention, quantization while placing)."""
+  import jax
+  return jax.devices('cpu')[0]
+
+
+def runtime_overhead(platform: str, profile: 'HardwareProfile | None' = None):
+  """The runtime's own memory beside the plan's buffers on a backend: the profile's measured
+  figures where it has them, else these defaults, measured on this project's CPU machines
+  (tools/memcheck.py --overhead) and, for GPUs, XLA's allocations outside the compiled
+  functions (none: memory_stats counts buffers only)."""
+  from flexjax.plan import Overhead
+  if profile is not None and profile.runtime_overhead_bytes is not None:
+    return Overhead(runtime=profile.runtime_overhead_bytes,
+                    compile=profile.compile_overhead_bytes or 0)
+  if platform == 'cpu':
+    return Overhead(runtime=CPU_RUNTIME_OVERHEAD, compile=CPU_COMPILE_OVERHEAD)
+  return Overhead(runtime=0, compile=0)
 
 
 def t4_profile() -> HardwareProfile:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from flexjax import config as config_lib
-from flexjax import cost_model, hardware, memory, search
+from flexjax import cost_model, hardware, search
+from flexjax import plan as plan_lib
+from flexjax.memwatch import MemoryWatch
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig, GenerationResult
 from flexjax.errors import FlexjaxError
@@ -132,15 +133,6 @@ def device_memory_bytes(device) -> int | None:
   return meminfo_bytes('MemAvailable')
 
 
-def peak_memory(device) -> dict[str, int]:
-  """Peak bytes on the device (where the backend reports it) and the process's peak RSS."""
-  out = {'host_peak_rss_bytes': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
-  if stats and 'peak_bytes_in_use' in stats:
-    out['device_peak_bytes'] = int(stats['peak_bytes_in_use'])
-  return out
-
-
 def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
                     scratch_dir: str | None) -> HardwareProfile | None:
   """'paper-t4', a JSON path, or None: this device's cached profile (measured and cached on
@@ -162,33 +154,40 @@ def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
 
 
 def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
-  """Given budgets, else what the machine has: device memory, available RAM, free disk."""
+  """Given budgets, else what the machine has: device memory, available RAM, free disk.
+
+  On a CPU backend the device and host tiers are the same RAM: --cpu_mem (else the available
+  RAM) bounds the two together as 'ram', and --gpu_mem, when given, still bounds the device
+  tier alone (simulating an accelerator of that size).
+  """
   budgets = dict(rc.budgets or {})
-  if budgets.get('device') is None:  # never plan past what the device has
+  if device.platform == 'cpu':
+    budgets['ram'] = budgets.pop('host', None) or meminfo_bytes('MemAvailable')
+    budgets['host'] = None
+  elif budgets.get('device') is None:  # never plan past what the device has
     budgets['device'] = device_memory_bytes(device)
   if rc.policy_mode == 'auto':
-    if budgets.get('host') is None:
+    if budgets.get('host') is None and device.platform != 'cpu':
       budgets['host'] = meminfo_bytes('MemAvailable')
     if budgets.get('disk') is None:
       budgets['disk'] = shutil.disk_usage(rc.offload_dir or tempfile.gettempdir()).free
   return budgets
 
 
-def choose_policy(rc: RunConfig, cfg, sizes, budgets, device, prompt_len: int):
+def choose_policy(rc: RunConfig, cfg, planner: plan_lib.Planner, budgets, profile,
+                  prompt_len: int):
   """The policy to run and its prediction: searched (--policy=auto) or hand-given."""
-  profile = resolve_profile(rc.hw_profile, device, measure_if_missing=rc.policy_mode == 'auto',
-                            scratch_dir=rc.offload_dir)
   gen_len = rc.generation.gen_len
   if rc.policy_mode == 'auto':
     found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
-                          sizes=sizes, template=rc.policy,
+                          sizes=planner.sizes, planner=planner, template=rc.policy,
                           max_block_seconds=rc.max_block_seconds,
                           max_block_size=rc.max_block_size)
-    return found.policy, found.prediction, profile
+    return found.policy, found.prediction
   if profile is None:
-    return rc.policy, None, None
-  return rc.policy, cost_model.predict(cfg, rc.policy, profile, sizes, prompt_len=prompt_len,
-                                       gen_len=gen_len), profile
+    return rc.policy, None
+  return rc.policy, cost_model.predict(cfg, rc.policy, profile, planner.sizes,
+                                       prompt_len=prompt_len, gen_len=gen_len, planner=planner)
 
 
 def run(rc: RunConfig) -> dict[str, Any]:
@@ -211,28 +210,46 @@ def run(rc: RunConfig) -> dict[str, Any]:
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
   device = jax.devices()[0]
+  watch = MemoryWatch.start(device)  # the idle process, before anything is planned
   budgets = detected_budgets(rc, device)
-  sizes = memory.Itemsizes(storage=config_lib.np_dtype(source.dtype).itemsize,
-                           compute=config_lib.np_dtype(rc.compute_dtype).itemsize,
-                           cache=config_lib.np_dtype(rc.cache_dtype or rc.compute_dtype).itemsize)
-  policy, prediction, profile = choose_policy(rc, cfg, sizes, budgets, device, prompt_len)
+  profile = resolve_profile(rc.hw_profile, device, measure_if_missing=rc.policy_mode == 'auto',
+                            scratch_dir=rc.offload_dir)
+  planner = plan_lib.Planner(
+      cfg, storage_dtype=source.dtype, compute_dtype=rc.compute_dtype,
+      cache_dtype=rc.cache_dtype or rc.compute_dtype, device=device,
+      cpu=hardware.cpu_device(),
+      overhead=hardware.runtime_overhead(device.platform,
+                                         profile if profile and profile.name.startswith(
+                                             device.platform) else None))
+  policy, prediction = choose_policy(rc, cfg, planner, budgets, profile, prompt_len)
+  plan = planner.plan(policy, prompt_len=prompt_len, gen_len=rc.generation.gen_len,
+                      temperature=rc.generation.temperature, top_p=rc.generation.top_p)
   head = {'model': cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': profile.name if profile else None,
           **_prediction_fields(prediction),
-          **{f'{tier}_budget_bytes': value for tier, value in budgets.items()}}
+          **{f'{tier}_budget_bytes': value for tier, value in budgets.items()},
+          **{f'planned_{tier}_peak_bytes': value for tier, value in plan.peaks().items()}}
   if rc.dry_run:
+    try:
+      plan.check(budgets)
+      head['fits'] = True
+    except FlexjaxError as e:
+      head['fits'] = False
+      head['does_not_fit'] = str(e)
     return head
+  plan.check(budgets)  # refused here, before any weight is read
   if not rc.prompt_file:
     prompts = synthetic_prompts(cfg, rc.num_prompts or policy.block_size, prompt_len,
                                 seed=rc.generation.seed)
     texts = [None] * len(prompts)
   with Engine(source, policy=policy, compute_dtype=rc.compute_dtype,
-              cache_dtype=rc.cache_dtype, device=device, budgets=budgets,
+              cache_dtype=rc.cache_dtype, device=device, budgets=budgets, planner=planner,
               offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache) as engine:
     result = engine.generate(prompts, rc.generation, warmup=rc.warmup)
+  measured = watch.peaks()
   if rc.output:
     write_outputs(rc.output, prompts, texts, result, tokenizer)
-  return {**head, **report(rc, engine, result)}
+  return {**head, **report(rc, engine, result, measured)}
 
 
 def _prediction_fields(prediction: cost_model.Prediction | None) -> dict[str, Any]:
@@ -255,7 +272,16 @@ def meminfo_bytes(key: str) -> int | None:
   return None
 
 
-def report(rc: RunConfig, engine: Engine, result: GenerationResult) -> dict[str, Any]:
+def report(rc: RunConfig, engine: Engine, result: GenerationResult,
+           measured: dict[str, int]) -> dict[str, Any]:
+  """The run's report. Planned peaks are the execution plan's; measured ones come from the
+  system: on a CPU backend the process's peak RSS above the idle process ('ram': device and
+  host tiers together), on an accelerator memory_stats()'s peak ('device') and the RSS
+  ('host')."""
+  on_cpu = engine.device.platform == 'cpu'
+  measured_fields = ({'measured_ram_peak_bytes': measured['rss']} if on_cpu else
+                     {'measured_device_peak_bytes': measured.get('device'),
+                      'measured_host_peak_bytes': measured['rss']})
   return {
       'model': engine.config.name,
       'weights': rc.weights,
@@ -273,10 +299,10 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult) -> dict[str,
       'prefill_tok_s': round(result.prefill_throughput, 3),
       'decode_tok_s': round(result.decode_throughput, 3),
       'total_tok_s': round(result.total_throughput, 3),
-      **{f'{tier}_peak_bytes': value for tier, value in result.peak_bytes.items()},
-      **{f'{tier}_planned_peak_bytes': value
+      **{f'planned_{tier}_peak_bytes': value
          for tier, value in result.planned_peak_bytes.items()},
-      **peak_memory(engine.device),
+      **measured_fields,
+      'runtime_counted_peak_bytes': result.peak_bytes,
   }
 
 

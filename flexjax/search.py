@@ -11,12 +11,12 @@ from typing import Iterable, Iterator
 import numpy as np
 from scipy.optimize import linprog
 
-from flexjax import cost_model, memory
+from flexjax import cost_model
+from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
 from flexjax.hardware import HardwareProfile
 from flexjax.policy import Policy
-from flexjax.storage import TIERS
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -31,7 +31,7 @@ PERCENT_FIELDS = {'w_gpu_percent': 'wg', 'w_cpu_percent': 'wc', 'cache_gpu_perce
 class SearchResult:
   policy: Policy
   prediction: cost_model.Prediction
-  planned_peak_bytes: dict[str, int]  # the exact plan (memory.peak_bytes) of the policy
+  planned_peak_bytes: dict[str, int]  # the execution plan's peaks of the policy
   candidates: int
   seconds: float
 
@@ -113,14 +113,16 @@ def to_policy(x: dict[str, float], template: Policy) -> Policy:
                              act_cpu_percent=hc)
 
 
-def _repair(cfg, policy: Policy, sizes, budgets, prompt_len, gen_len, fixed: Iterable[str] = (),
-            steps: int = 60):
-  """Moves data down the tiers until the exact plan fits (the LP is a relaxation), never
-  changing the percents named in `fixed`."""
+def _repair(planner: plan_lib.Planner, policy: Policy, budgets, prompt_len, gen_len,
+            fixed: Iterable[str] = (), steps: int = 60, estimate: bool = True):
+  """Moves data down the tiers until the plan fits (the LP is a relaxation), never changing
+  the percents named in `fixed`."""
   fixed = set(fixed)
   for _ in range(steps):
-    plan = memory.peak_bytes(cfg, policy, sizes, prompt_len=prompt_len, gen_len=gen_len)
-    over = [t for t in TIERS if budgets.get(t) is not None and plan[t] > budgets[t]]
+    plan = planner.plan(policy, prompt_len=prompt_len, gen_len=gen_len,
+                        estimate=estimate).peaks()
+    over = [t for t in ('ram',) + plan_lib.TIERS
+            if budgets.get(t) is not None and plan.get(t, 0) > budgets[t]]
     if not over:
       return policy, plan
     move = next((m for m in _moves_off(policy, over[0]) if not fixed & set(m)), None)
@@ -135,6 +137,17 @@ def _moves_off(policy: Policy, tier: str) -> Iterator[dict[str, float]]:
   5% steps, then cache rows, then hidden-state rows."""
   row = 100 / policy.gpu_batch_size
   wg, wc = policy.w_gpu_percent, policy.w_cpu_percent
+  if tier == 'ram':  # device and host are one memory: move to disk
+    if wg > 0:
+      yield {'w_gpu_percent': wg - min(5.0, wg)}
+    if wc > 0:
+      yield {'w_cpu_percent': wc - min(5.0, wc)}
+    for kind in ('cache', 'act'):
+      if policy.rows(kind)['device'] > 0:
+        yield {f'{kind}_gpu_percent': getattr(policy, f'{kind}_gpu_percent') - row}
+      if policy.rows(kind)['host'] > 0:
+        yield {f'{kind}_cpu_percent': getattr(policy, f'{kind}_cpu_percent') - row}
+    return
   if tier == 'device':
     if wg > 0:
       yield {'w_gpu_percent': wg - min(5.0, wg), 'w_cpu_percent': wc + min(5.0, wg)}
@@ -154,7 +167,8 @@ def _moves_off(policy: Policy, tier: str) -> Iterator[dict[str, float]]:
 
 
 def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None], *,
-           prompt_len: int, gen_len: int, sizes: memory.Itemsizes,
+           prompt_len: int, gen_len: int, sizes: plan_lib.Itemsizes,
+           planner: plan_lib.Planner | None = None,
            template: Policy = Policy(), gpu_batch_sizes: Iterable[int] = GPU_BATCH_SIZES,
            num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES, max_block_size: int = 4096,
            cpu_attention: Iterable[bool] = (False, True),
@@ -164,8 +178,12 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
 
   The template's approximations (compression, sparsity) and overlap are kept; batch geometry,
   CPU attention and placement are searched, except the percents named in fixed_percents
-  (PERCENT_FIELDS), which keep the template's values.
+  (PERCENT_FIELDS), which keep the template's values. Candidates are screened with the
+  execution plan's XLA bytes estimated; the best is re-checked with its steps compiled at their
+  real shapes (the plan the run will enforce), falling back to the next best if it fails.
   """
+  if planner is None:
+    planner = plan_lib.Planner.for_sizes(cfg, sizes, device_is_host=hw.copies_share_compute)
   fixed_percents = tuple(fixed_percents)
   unknown = sorted(set(fixed_percents) - set(PERCENT_FIELDS))
   if unknown:
@@ -173,7 +191,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
                        f'{", ".join(PERCENT_FIELDS)}')
   fixed = {PERCENT_FIELDS[name]: getattr(template, name) / 100 for name in fixed_percents}
   start = time.perf_counter()
-  best: SearchResult | None = None
+  found: list[SearchResult] = []
   tried = 0
   for gbs in gpu_batch_sizes:
     for g in num_gpu_batches:
@@ -183,37 +201,40 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
         candidate = dataclasses.replace(template, gpu_batch_size=gbs, num_gpu_batches=g,
                                         cpu_attention=cpu_att)
         model = cost_model.build(cfg, candidate, hw, sizes, prompt_len=prompt_len,
-                                 gen_len=gen_len)
+                                 gen_len=gen_len, planner=planner)
         tried += 1
         x = solve_placement(model, budgets, max_block_seconds=max_block_seconds, fixed=fixed)
         if x is None:
           continue
-        policy, plan = _repair(cfg, to_policy(x, candidate), sizes, budgets, prompt_len,
+        policy, plan = _repair(planner, to_policy(x, candidate), budgets, prompt_len,
                                gen_len, fixed=fixed_percents)
         if policy is None:
           continue
-        prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
-                                        gen_len=gen_len)
+        prediction = model.predict(cost_model.fractions(policy, cfg))
         if max_block_seconds is not None and (prediction.prefill_s + prediction.decode_s
                                               > max_block_seconds):
           continue
-        if best is None or prediction.throughput > best.prediction.throughput:
-          best = SearchResult(policy, prediction, plan, 0, 0.0)
-  if best is None:
-    raise FlexjaxError(_shortfall(cfg, template, sizes, budgets, prompt_len, gen_len))
-  return dataclasses.replace(best, candidates=tried, seconds=time.perf_counter() - start)
+        found.append(SearchResult(policy, prediction, plan, 0, 0.0))
+  for best in sorted(found, key=lambda r: -r.prediction.throughput):
+    policy, plan = _repair(planner, best.policy, budgets, prompt_len, gen_len,
+                           fixed=fixed_percents, estimate=False)
+    if policy is not None:
+      prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
+                                      gen_len=gen_len, planner=planner)
+      return SearchResult(policy, prediction, plan, tried, time.perf_counter() - start)
+  raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len))
 
 
-def _shortfall(cfg, template, sizes, budgets, prompt_len, gen_len) -> str:
+def _shortfall(planner, template, budgets, prompt_len, gen_len) -> str:
   """Which tier is short, and by how much, for the most economical policy (one sequence,
   everything that can leave the device on disk)."""
   smallest = dataclasses.replace(template, gpu_batch_size=1, num_gpu_batches=1, w_gpu_percent=0,
                                  w_cpu_percent=0, cache_gpu_percent=0, cache_cpu_percent=0,
                                  act_gpu_percent=0, act_cpu_percent=0, cpu_attention=True)
-  plan = memory.peak_bytes(cfg, smallest, sizes, prompt_len=prompt_len, gen_len=gen_len)
-  for tier in TIERS:
-    if budgets.get(tier) is not None and plan[tier] > budgets[tier]:
-      flag = dict(device='gpu', host='cpu', disk='disk')[tier]
+  plan = planner.plan(smallest, prompt_len=prompt_len, gen_len=gen_len, estimate=True).peaks()
+  for tier in ('ram',) + plan_lib.TIERS:
+    if budgets.get(tier) is not None and plan.get(tier, 0) > budgets[tier]:
+      flag = dict(device='gpu', host='cpu', ram='cpu', disk='disk')[tier]
       return (f'no policy fits: even one sequence with everything offloaded needs '
               f'{_size(plan[tier])} on the {tier}, {_size(plan[tier] - budgets[tier])} more than '
               f'its budget of {_size(budgets[tier])}; raise --{flag}_mem or shorten the '

@@ -4,7 +4,6 @@ folder), each with a byte budget and current/peak accounting; and arrays split a
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import tempfile
@@ -44,71 +43,140 @@ class TierAccount:
       self.current -= nbytes
 
 
-class DiskArray:
-  """A fixed-shape array in a file; reads return fresh host copies (optionally dropping the pages
-  from the OS page cache afterwards, so later reads really hit the disk).
+def aligned_empty(shape, dtype, alignment: int = 4096) -> np.ndarray:
+  """An uninitialised array whose data starts on an `alignment`-byte boundary (the CPU backend
+  then takes it without a copy, and direct I/O can read into it)."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  raw = np.empty(nbytes + alignment, np.uint8)
+  offset = -raw.ctypes.data % alignment
+  return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
-  The file is mapped only for the duration of one access: the kernel cannot drop pages that a
-  process still maps, so a persistent mapping would keep every page ever read resident.
+
+class DiskArray:
+  """A fixed-shape array in a file, read and written with pread/pwrite on one open handle.
+
+  Reads return fresh host arrays. With drop_page_cache, each access is followed by
+  posix_fadvise(DONTNEED) so later reads really hit the disk. The file's space is reserved
+  up front (posix_fallocate), so a full disk is an error here, not a signal mid-run.
   """
 
   def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype, drop_page_cache: bool):
     self.path = path
-    self.shape = shape
+    self.shape = tuple(shape)
     self.dtype = np.dtype(dtype)
     self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
     self._drop = drop_page_cache
-    self._open = True
-    with open(path, 'wb') as f:
-      f.truncate(self.nbytes)
+    self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    if self.nbytes:
+      try:
+        os.posix_fallocate(self._fd, 0, self.nbytes)
+      except OSError as e:
+        os.close(self._fd)
+        self._fd = None
+        raise FlexjaxError(f'cannot reserve {self.nbytes:,} bytes in {path.parent} ({e.strerror});'
+                           ' free disk space there or point --offload_dir elsewhere') from None
+
+  def _segments(self, index: Any) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """Shape and (byte offset, byte length) runs of `index`: `...`, or (slice rows, slice time)."""
+    if index is Ellipsis:
+      return self.shape, [(0, self.nbytes)]
+    rows, time = index
+    rows = range(*rows.indices(self.shape[0]))
+    start, stop, _ = time.indices(self.shape[1])
+    per_time = int(np.prod(self.shape[2:])) * self.dtype.itemsize
+    per_row = self.shape[1] * per_time
+    runs = [(r * per_row + start * per_time, (stop - start) * per_time) for r in rows]
+    return (len(rows), stop - start, *self.shape[2:]), runs
 
   def write(self, index: Any, value: np.ndarray) -> None:
-    if not self.nbytes or not self._open:
+    if not self.nbytes or self._fd is None:
       return
-    with open(self.path, 'r+b') as f, mmap.mmap(f.fileno(), self.nbytes) as mapping:
-      view = np.frombuffer(mapping, self.dtype).reshape(self.shape)
-      view[index] = value
-      del view  # the mapping closes (unmaps) only once no array refers to it
-      if self._drop:
-        mapping.flush()  # dirty pages must reach the disk before they can be dropped
+    shape, runs = self._segments(index)
+    data = np.ascontiguousarray(np.broadcast_to(np.asarray(value, self.dtype), shape))
+    flat = memoryview(data.reshape(-1).view(np.uint8))
+    done = 0
+    for offset, length in runs:
+      _pwrite_all(self._fd, flat[done:done + length], offset)
+      done += length
     if self._drop:
-      self._advise_dontneed()
+      os.fdatasync(self._fd)  # dirty pages must reach the disk before they can be dropped
+      os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-  def read(self, index: Any = ...) -> np.ndarray:
-    if not self.nbytes or not self._open:
-      return np.zeros(self.shape, self.dtype)[index]
-    with open(self.path, 'rb') as f, mmap.mmap(f.fileno(), self.nbytes,
-                                              access=mmap.ACCESS_READ) as mapping:
-      view = np.frombuffer(mapping, self.dtype).reshape(self.shape)
-      out = np.array(view[index], copy=True)
-      del view
-    if self._drop:
-      self._advise_dontneed()
+  def read(self, index: Any = ..., out: np.ndarray | None = None) -> np.ndarray:
+    """A fresh array of the entries at `index` (or those entries read into `out`, a C-contiguous
+    array of their shape)."""
+    if isinstance(index, tuple) and not isinstance(index[0], slice):
+      return self._gather(*index)
+    shape, runs = self._segments(index)
+    if out is None:
+      out = aligned_empty(shape, self.dtype)
+    if not self.nbytes or self._fd is None:
+      out[...] = 0
+      return out
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    done = 0
+    for offset, length in runs:
+      _pread_all(self._fd, flat[done:done + length], offset)
+      done += length
+    self._after_read()
     return out
 
-  def _advise_dontneed(self) -> None:
-    fd = os.open(self.path, os.O_RDONLY)
-    try:
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-      os.close(fd)
+  def _gather(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Entries at (rows [n, 1], positions [n, k]) -> [n, k, ...] (one read per entry)."""
+    rows, positions = np.broadcast_arrays(np.asarray(rows), np.asarray(positions))
+    out = aligned_empty((*rows.shape, *self.shape[2:]), self.dtype)
+    per_time = int(np.prod(self.shape[2:])) * self.dtype.itemsize
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    for i, (r, p) in enumerate(zip(rows.reshape(-1), positions.reshape(-1))):
+      offset = (int(r) * self.shape[1] + int(p)) * per_time
+      _pread_all(self._fd, flat[i * per_time:(i + 1) * per_time], offset)
+    self._after_read()
+    return out
+
+  def _after_read(self) -> None:
+    if self._drop:
+      os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
   def close(self) -> None:
-    self._open = False
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+  while len(view):
+    n = os.preadv(fd, [view], offset)
+    if n <= 0:
+      raise FlexjaxError(f'short read at byte {offset} of an offload file; the file was changed '
+                         'or truncated by another process')
+    view, offset = view[n:], offset + n
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+  while len(view):
+    n = os.pwritev(fd, [view], offset)
+    view, offset = view[n:], offset + n
 
 
 class Storage:
-  """Owns the tiers of one run: budgets, accounting, the device and the offload folder.
+  """Owns the tiers of one run: budgets, the plan's buffers, the device and the offload folder.
 
-  The offload folder is created for the run and removed by close() (use as a context manager),
-  on normal exit, on exceptions and on Ctrl-C alike.
+  Every allocation names the plan buffer it draws from (`pool`, e.g. 'cache.host'); with
+  `capacities` (an ExecutionPlan's), a pool the plan does not name, or more bytes than it
+  planned, is an error: the runtime allocates nothing beside the plan. Tier accounts keep the
+  budgets. The offload folder is created for the run and removed by close() (use as a context
+  manager), on normal exit, on exceptions and on Ctrl-C alike.
   """
 
   def __init__(self, device: jax.Device, budgets: dict[str, int | None] | None = None, *,
+               capacities: dict[str, int] | None = None,
                offload_dir: str | os.PathLike | None = None, drop_page_cache: bool = False):
     budgets = budgets or {}
     self.device = device
     self.accounts = {tier: TierAccount(tier, budgets.get(tier)) for tier in TIERS}
+    self._capacities = capacities
+    self.pools: dict[str, TierAccount] = {}
     self.drop_page_cache = drop_page_cache
     self._offload_parent = Path(offload_dir) if offload_dir else None
     self._run_dir: Path | None = None
@@ -139,23 +207,58 @@ class Storage:
   def peaks(self) -> dict[str, int]:
     return {tier: account.peak for tier, account in self.accounts.items()}
 
-  # ---- allocation -------------------------------------------------------------------------------
-  def host_array(self, shape, dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    self.accounts['host'].reserve(int(np.prod(shape)) * dtype.itemsize)
-    return np.zeros(shape, dtype)
+  def use_capacities(self, capacities: dict[str, int]) -> None:
+    """Switches to another plan's buffers (a new generate() call); what is held stays."""
+    with self._lock:
+      self._capacities = capacities
+      for name, pool in self.pools.items():
+        pool.budget = capacities.get(name, 0)
 
-  def disk_array(self, shape, dtype) -> DiskArray:
+  # ---- allocation -------------------------------------------------------------------------------
+  def reserve(self, tier: str, nbytes: int, pool: str | None = None) -> None:
+    """Takes `nbytes` of a tier from the plan buffer `pool` (default: the tier's own)."""
+    pool = pool or tier
+    if not nbytes:
+      return
+    with self._lock:
+      if pool not in self.pools:
+        if self._capacities is not None and pool not in self._capacities:
+          raise FlexjaxError(f'internal error: the runtime allocated {nbytes:,} bytes for '
+                             f'{pool!r}, a buffer the execution plan does not list')
+        capacity = None if self._capacities is None else self._capacities[pool]
+        self.pools[pool] = TierAccount(f'plan buffer {pool}', capacity)
+    self.pools[pool].reserve(nbytes)
+    try:
+      self.accounts[tier].reserve(nbytes)
+    except FlexjaxError:
+      self.pools[pool].release(nbytes)
+      raise
+
+  def free(self, tier: str, nbytes: int, pool: str | None = None) -> None:
+    if not nbytes:
+      return
+    self.pools[pool or tier].release(nbytes)
+    self.accounts[tier].release(nbytes)
+
+  def host_array(self, shape, dtype, pool: str | None = None) -> np.ndarray:
     dtype = np.dtype(dtype)
-    self.accounts['disk'].reserve(int(np.prod(shape)) * dtype.itemsize)
+    self.reserve('host', int(np.prod(shape)) * dtype.itemsize, pool)
+    out = aligned_empty(shape, dtype)
+    out[...] = 0
+    return out
+
+  def disk_array(self, shape, dtype, pool: str | None = None) -> DiskArray:
+    dtype = np.dtype(dtype)
+    self.reserve('disk', int(np.prod(shape)) * dtype.itemsize, pool)
     with self._lock:
       self._files += 1
       number = self._files
-    return DiskArray(self.run_dir / f'{number:06d}.bin', tuple(shape), dtype,
-                     self.drop_page_cache)
-
-  def free(self, tier: str, nbytes: int) -> None:
-    self.accounts[tier].release(nbytes)
+    try:
+      return DiskArray(self.run_dir / f'{number:06d}.bin', tuple(shape), dtype,
+                       self.drop_page_cache)
+    except FlexjaxError:
+      self.free('disk', int(np.prod(shape)) * dtype.itemsize, pool)
+      raise
 
   # ---- movement ---------------------------------------------------------------------------------
   def to_device(self, array: np.ndarray, *, private: bool) -> jax.Array:
@@ -183,7 +286,7 @@ class SplitArray:
   """
 
   def __init__(self, storage: Storage, shape: tuple[int, ...], dtype, rows: dict[str, int], *,
-               preallocate_device: bool):
+               preallocate_device: bool, kind: str | None = None):
     self.storage = storage
     self.shape = tuple(shape)
     self.dtype = np.dtype(dtype)
@@ -191,13 +294,21 @@ class SplitArray:
     d, h = rows['device'], rows['host']
     self.slices = {'device': slice(0, d), 'host': slice(d, d + h), 'disk': slice(d + h, shape[0])}
     tail = self.shape[1:]
+    self.pools = {tier: f'{kind}.{tier}' if kind else tier for tier in TIERS}
     self.device_bytes = nbytes_of((d, *tail), self.dtype)
-    storage.accounts['device'].reserve(self.device_bytes)
+    storage.reserve('device', self.device_bytes, self.pools['device'])
     self.device: jax.Array | None = (
         jax.device_put(np.zeros((d, *tail), self.dtype), storage.device)
         if d and preallocate_device else None)
-    self.host = storage.host_array((h, *tail), self.dtype) if h else None
-    self.disk = storage.disk_array((rows['disk'], *tail), self.dtype) if rows['disk'] else None
+    self.host = self.disk = None
+    try:
+      if h:
+        self.host = storage.host_array((h, *tail), self.dtype, self.pools['host'])
+      if rows['disk']:
+        self.disk = storage.disk_array((rows['disk'], *tail), self.dtype, self.pools['disk'])
+    except BaseException:
+      self.close()
+      raise
     self.pending = None  # concurrent.futures.Future of the last offloaded write
 
   @property
@@ -222,17 +333,18 @@ class SplitArray:
       self.disk.write((slice(None), slice(start, start + n)), host_value[h:])
 
   def read_offloaded(self, length: int) -> np.ndarray | None:
-    """Host copy of the offloaded rows' time range [0, length) (host rows are not copied when
-    there are no disk rows: callers must finish with it before the next write)."""
+    """A fresh host copy (aligned, never written again) of the offloaded rows' time range
+    [0, length): host rows copied, disk rows read into it."""
     self.wait()
-    parts = []
-    if self.host is not None:
-      parts.append(self.host[:, :length])
-    if self.disk is not None:
-      parts.append(self.disk.read((slice(None), slice(0, length))))
-    if not parts:
+    if not self.offloaded_rows:
       return None
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    h = self.rows['host']
+    out = aligned_empty((self.offloaded_rows, length, *self.shape[2:]), self.dtype)
+    if self.host is not None:
+      out[:h] = self.host[:, :length]
+    if self.disk is not None:
+      self.disk.read((slice(None), slice(0, length)), out=out[h:])
+    return out
 
   def read_offloaded_rows(self, positions: np.ndarray) -> np.ndarray:
     """The offloaded rows' entries at time positions [offloaded rows, keep] -> [rows, keep, ...]
@@ -248,12 +360,14 @@ class SplitArray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
   def close(self) -> None:
-    self.storage.free('device', self.device_bytes)
+    if self.device_bytes:
+      self.storage.free('device', self.device_bytes, self.pools['device'])
+      self.device_bytes = 0
     self.device = None
     if self.host is not None:
-      self.storage.free('host', self.host.nbytes)
+      self.storage.free('host', self.host.nbytes, self.pools['host'])
       self.host = None
     if self.disk is not None:
-      self.storage.free('disk', self.disk.nbytes)
+      self.storage.free('disk', self.disk.nbytes, self.pools['disk'])
       self.disk.close()
       self.disk = None

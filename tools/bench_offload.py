@@ -30,7 +30,6 @@ from typing import Any, Callable, Sequence
 from absl import flags
 
 from flexjax import config as config_lib
-from flexjax import memory
 from flexjax.errors import FlexjaxError
 from flexjax.model.params import layer_name
 from flexjax.policy import Policy
@@ -101,14 +100,12 @@ def check_lengths(cfg: config_lib.ModelConfig, *, prompt_len: int, gen_len: int,
 def _check_projection_fits(engine, policy: Policy, budgets: dict[str, int | None], *,
                            prompt_len: int, gen_len: int) -> None:
   """A projected run stands for the full one only if the full one fits the budgets too."""
-  need = memory.peak_bytes(engine.config, policy, engine.sizes, prompt_len=prompt_len,
-                           gen_len=gen_len)
-  for tier, nbytes in need.items():
-    budget = budgets.get(tier)
-    if budget is not None and nbytes > budget:
-      raise FlexjaxError(f'the full gen_len={gen_len} run needs {nbytes / 2**30:.2f} GiB on the '
-                         f'{tier} but its budget is {budget / 2**30:.2f} GiB; a projection from a '
-                         'shorter run would be invalid: raise the budget or lower gen_len')
+  from flexjax.engine import GenerationConfig
+  try:
+    engine.plan(prompt_len, GenerationConfig(gen_len=gen_len), policy=policy).check(budgets)
+  except FlexjaxError as e:
+    raise FlexjaxError(f'the full gen_len={gen_len} run does not fit ({e}); a projection from a '
+                       'shorter run would be invalid: raise the budget or lower gen_len') from None
 
 
 def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache: str,

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable, Sequence
 from absl import flags
 
 from flexjax import config as config_lib
-from flexjax import memory
+from flexjax import plan as plan_lib
 from flexjax.engine import BREAKDOWN_PARTS
 from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
@@ -235,9 +235,9 @@ def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
   return found.policy, profile
 
 
-def _itemsizes(case: dict[str, Any]) -> memory.Itemsizes:
+def _itemsizes(case: dict[str, Any]) -> plan_lib.Itemsizes:
   compute = config_lib.np_dtype(case['compute_dtype']).itemsize
-  return memory.Itemsizes(storage=2, compute=compute, cache=compute)
+  return plan_lib.Itemsizes(storage=2, compute=compute, cache=compute)
 
 
 def _free_disk(folder: str | None) -> int:

@@ -1,0 +1,253 @@
+"""The executor: walks the block schedule (schedule.block_schedule) and dispatches the jitted
+layer steps, while the mover loads step j+1 and stores step j-1."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexjax import plan as plan_lib
+from flexjax.config import ModelConfig
+from flexjax.mover import Mover
+from flexjax.policy import Policy
+from flexjax.schedule import Step, block_schedule
+from flexjax.steps import Steps
+from flexjax.storage import SplitArray, Storage
+
+
+@dataclasses.dataclass
+class Batch:
+  """Host-side state of one GPU batch of a block, and its hidden states and KV caches."""
+
+  tokens: np.ndarray  # [b, s] prompt ids
+  mask: np.ndarray  # [b, s]
+  real_rows: int  # rows that are prompts (the rest pad the last block)
+  cache_mask: np.ndarray  # [b, t]
+  positions: np.ndarray  # [b] position of the first generated token
+  out: np.ndarray  # [b, gen_len]
+  finished: np.ndarray  # [b]
+  logits: np.ndarray | None
+  hidden: SplitArray
+  caches: list[tuple[SplitArray, SplitArray]]
+  forced: np.ndarray | None = None  # [b, gen_len] tokens to emit instead of samples
+  steps: int = 0
+
+  def close(self) -> None:
+    for pair in self.caches:
+      for array in pair:
+        array.wait()
+        array.close()
+    self.hidden.wait()
+    self.hidden.close()
+
+
+def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps, *, tokens,
+                mask, real_rows: int, gen_len: int, return_logits: bool, forced) -> list[Batch]:
+  """The GPU batches of a block with their caches and hidden states allocated on their tiers."""
+  b, s = policy.gpu_batch_size, tokens.shape[1]
+  t = s + gen_len - 1
+  entry, dtype = steps.cache_entry()
+  batches = []
+  try:
+    for k in range(policy.num_gpu_batches):
+      rows = slice(k * b, (k + 1) * b)
+      cache_mask = np.zeros((b, t), bool)
+      cache_mask[:, :s] = mask[rows]
+      batch = Batch(
+          tokens=tokens[rows], mask=mask[rows], real_rows=max(0, min(b, real_rows - k * b)),
+          cache_mask=cache_mask, positions=mask[rows].sum(axis=1).astype(np.int32),
+          out=np.full((b, gen_len), cfg.pad_token_id, np.int32), finished=np.zeros(b, bool),
+          logits=(np.zeros((b, gen_len, cfg.vocab_size), np.float32) if return_logits
+                  else None),
+          hidden=SplitArray(storage, (b, s, cfg.hidden_size), steps.compute,
+                            policy.rows('act'), preallocate_device=False, kind='hidden'),
+          caches=[], forced=None if forced is None else forced[rows])
+      batches.append(batch)
+      for _ in range(cfg.num_layers):
+        batch.caches.append(tuple(
+            SplitArray(storage, (b, t, entry), dtype, policy.rows('cache'),
+                       preallocate_device=True, kind='cache') for _ in range(2)))
+  except BaseException:
+    for batch in batches:
+      batch.close()
+    raise
+  return batches
+
+
+class Executor:
+  """Runs blocks through the schedule: load j+1 / compute j / store j-1.
+
+  Under overlap, the next stage's weights load on one thread while every GPU batch of this
+  stage computes, the next step's hidden and cache rows load on another once this step is
+  dispatched (jax dispatch is asynchronous), and offloaded results are written back on a third.
+  At most two steps are in flight (one without overlap): the plan counts their XLA memory.
+  """
+
+  def __init__(self, cfg: ModelConfig, policy: Policy, steps: Steps, mover: Mover, *, device,
+               cpu):
+    self.cfg, self.policy, self.steps, self.mover = cfg, policy, steps, mover
+    self.device, self.cpu = device, cpu
+    self.num_stages = cfg.num_layers + 2
+
+  def execute(self, batches: list[Batch], gen, key, max_steps: int) -> tuple[float, float]:
+    """Runs a block's steps. Returns (prefill seconds, decode seconds)."""
+    mover, clock, overlap = self.mover, self.mover.clock, self.policy.overlap
+    steps = list(block_schedule(max_steps, self.num_stages, len(batches)))
+    weights: dict[int, concurrent.futures.Future] = {}
+    inputs: dict[Step, concurrent.futures.Future] = {}
+    current: tuple | None = None  # (params, device bytes loaded)
+    in_flight: collections.deque = collections.deque()  # outputs of dispatched steps
+    releases: list[concurrent.futures.Future] = []
+    previous_stage_out = None
+    start = time.perf_counter()
+    prefill_s = 0.0
+    try:
+      for n, step in enumerate(steps):
+        batch = batches[step.batch]
+        clock.phase = 'decode' if step.token else 'prefill'
+        if step.batch == 0:  # a new stage
+          if current is not None:
+            mover.free_weights(current[1])
+            current = None
+          with clock.part('weight_read'):
+            future = weights.pop(step.stage, None) or mover.workers['weights'].submit(
+                mover.load_weights, step.stage)
+            current = clock.ready(future.result())
+          upcoming = next((s for s in steps[n + 1:] if s.stage != step.stage), None)
+          if overlap and upcoming is not None:
+            weights[upcoming.stage] = mover.workers['weights'].submit(
+                mover.load_weights, upcoming.stage, previous_stage_out)
+        future = inputs.pop(step, None) or mover.workers['load'].submit(
+            mover.load_inputs, step, batch)
+        loaded = future.result()
+        while len(in_flight) >= (2 if overlap else 1):
+          jax.block_until_ready(in_flight.popleft())
+        with clock.part('compute'):
+          output, released = self._compute(step, batch, current[0], loaded, gen, key)
+          in_flight.append(output)
+          if released is not None:
+            releases.append(released)
+          while len(releases) > 1:
+            releases.pop(0).result()
+          if overlap and n + 1 < len(steps):
+            inputs[steps[n + 1]] = mover.workers['load'].submit(mover.load_inputs, steps[n + 1],
+                                                                batches[steps[n + 1].batch])
+          elif not overlap:
+            jax.block_until_ready(output)
+            batch.hidden.wait()
+        if step.batch == len(batches) - 1:
+          previous_stage_out = output
+        if step.stage == self.num_stages - 1 and step.batch == len(batches) - 1:
+          self._end_token(step.token, batches)
+          if step.token == 0:
+            prefill_s = time.perf_counter() - start
+          if gen.stop_at_eos and all(b.finished[:b.real_rows].all() for b in batches):
+            break
+    finally:
+      for future in releases:
+        future.result()
+      for future in inputs.values():
+        mover.release(future.result())
+      for future in weights.values():
+        mover.free_weights(future.result()[1])
+      if current is not None:
+        mover.free_weights(current[1])
+      jax.block_until_ready(list(in_flight))
+    return prefill_s, time.perf_counter() - start - prefill_s
+
+  # ---- per-step work ----------------------------------------------------------------------------
+  def _compute(self, step: Step, batch: Batch, params, inputs: dict, gen, key):
+    """Dispatches one step. Returns (its output, a future of the release of its loaded inputs
+    or None)."""
+    stage, token, steps, mover = step.stage, step.token, self.steps, self.mover
+    s = batch.tokens.shape[1]
+    if stage == self.num_stages - 1:
+      logits = steps.head(params, inputs['hidden'])
+      sample = steps.sample(logits, jax.random.fold_in(key, token),
+                            temperature=gen.temperature, top_p=gen.top_p)
+      chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
+      batch.out[:, token] = np.where(batch.finished, self.cfg.pad_token_id, chosen)
+      if batch.logits is not None:
+        batch.logits[:, token] = np.asarray(logits)
+      batch.steps = token + 1
+      if gen.stop_at_eos:
+        batch.finished |= batch.out[:, token] == self.cfg.eos_token_id
+      mover.release(inputs)
+      return logits, None
+    mover.begin_step_stores()
+    if stage == 0:
+      if token == 0:
+        ids, positions = batch.tokens, np.cumsum(batch.mask, axis=1) * batch.mask - 1
+      else:
+        ids = batch.out[:, token - 1:token]
+        positions = (batch.positions + token - 1)[:, None]
+      y = steps.embed(params, self._put(ids), self._put(positions))
+      mover.release(inputs)
+      mover.store_hidden(batch.hidden, y)
+      return y, None
+    x = inputs['hidden']
+    k_cache, v_cache = batch.caches[stage - 1]
+    if token == 0:
+      y, (k, v) = steps.prefill(params, x, self._put(batch.mask))
+      slot = 0
+    else:
+      y, (k, v) = self._decode(params, x, batch, k_cache, v_cache, inputs.get('cache'))
+      slot = s + token - 1
+    mover.clock.ready((y, k, v))
+    # The loaded inputs stay in use until the step has run (dispatch is asynchronous): their
+    # bytes are returned by the store thread once the outputs exist.
+    released = mover.release_when_ready(inputs, y)
+    mover.store_cache(k_cache, k, slot)
+    mover.store_cache(v_cache, v, slot)
+    mover.store_hidden(batch.hidden, y)
+    return y, released
+
+  def _decode(self, params, x, batch: Batch, k_cache: SplitArray, v_cache: SplitArray, loaded):
+    """A decode step of one layer. Device cache rows attend on the device; offloaded rows attend
+    where `loaded` lives (the CPU backend with cpu_attention, else the device)."""
+    steps = self.steps
+    q, k, v = steps.qkv(params, x)
+    d = k_cache.rows['device']
+    parts = []
+    if d:
+      parts.append(self._attention(q[:d], k[:d], v[:d], k_cache.device, batch.cache_mask[:d],
+                                   v_dense=v_cache.device,
+                                   v_rows=lambda pos: steps.take_rows(v_cache.device, pos),
+                                   backend=self.device))
+    if loaded is not None:
+      backend = self.cpu if self.policy.cpu_attention else self.device
+      to = lambda a: jax.device_put(a[d:], backend)
+      out = self._attention(to(q), to(k), to(v), loaded[0], batch.cache_mask[d:],
+                            v_dense=loaded[1],
+                            v_rows=lambda pos: self.mover.gather_v(v_cache, pos, backend),
+                            backend=backend)
+      parts.append(jax.device_put(out, self.device))
+    attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return steps.out(params, x, attn), (k[:, None], v[:, None])
+
+  def _attention(self, q, k, v, k_cache, cache_mask: np.ndarray, *, v_dense, v_rows, backend):
+    """Dense attention, or sparse: scores against all of K, then only the kept V rows."""
+    mask = jax.device_put(np.array(cache_mask), backend)
+    if self.policy.attn_sparsity == 1:
+      return self.steps.attend(q, k, v, k_cache, v_dense, mask)
+    keep = plan_lib.sparse_keep(self.policy, cache_mask.shape[1])
+    scores, positions = self.steps.select(q, k, k_cache, mask, keep=keep)
+    return self.steps.attend_selected(scores, positions, v_rows(positions), v)
+
+  def _end_token(self, token: int, batches: list[Batch]) -> None:
+    """After the last stage of a token: the new slot of every cache becomes visible."""
+    s = batches[0].tokens.shape[1]
+    if token > 0:
+      for batch in batches:
+        batch.cache_mask[:, s + token - 1] = True
+
+  def _put(self, array) -> jax.Array:
+    """A small per-step input on the device, copied (the CPU backend may alias host buffers
+    that change later)."""
+    return jax.device_put(np.array(array, copy=True), self.device)

@@ -1,0 +1,259 @@
+"""The mover: how bytes move between tiers. Worker threads, weight loads, reads of offloaded
+hidden and KV rows, write-back of results; every byte it holds is drawn from a plan buffer."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexjax import quant as quant_lib
+from flexjax.model import params as params_lib
+from flexjax.placement import Placed
+from flexjax.policy import Policy
+from flexjax.steps import Steps
+from flexjax.storage import SplitArray, Storage
+
+BREAKDOWN_PARTS = ('compute', 'weight_read', 'cache_read', 'cache_write', 'hidden_read',
+                   'hidden_write')
+
+
+class Clock:
+  """Seconds per phase and part of the work of a run without overlap (the paper's Table 8).
+
+  Each part waits for its results before it stops, so time is charged where the work happens;
+  a part nested in another (a cache write inside a step's computation) is charged to itself only.
+  Disabled, it costs nothing and adds no waits.
+  """
+
+  def __init__(self, enabled: bool):
+    self.enabled = enabled
+    self.phase = 'prefill'
+    self.seconds = {phase: dict.fromkeys(BREAKDOWN_PARTS, 0.0) for phase in ('prefill', 'decode')}
+    self._nested: list[float] = []  # per open part: seconds of the parts nested in it
+
+  @contextlib.contextmanager
+  def part(self, name: str):
+    if not self.enabled:
+      yield
+      return
+    self._nested.append(0.0)
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      elapsed = time.perf_counter() - start
+      self.seconds[self.phase][name] += elapsed - self._nested.pop()
+      if self._nested:
+        self._nested[-1] += elapsed
+
+  def ready(self, tree):
+    """Waits for the arrays of `tree` when enabled; returns it."""
+    if self.enabled:
+      jax.block_until_ready(tree)
+    return tree
+
+
+class _Inline:
+  """Runs submitted work at once on the caller's thread (the no-overlap executor)."""
+
+  def submit(self, fn, *args):
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))
+    return future
+
+  def shutdown(self, wait=True, cancel_futures=False):
+    del wait, cancel_futures
+
+
+class Mover:
+  """Moves weights, hidden states and KV rows for one run of the block schedule.
+
+  With overlap, three threads: 'weights' loads the next stage, 'load' the next step's offloaded
+  inputs, 'store' writes offloaded results back. Loaded inputs carry a 'held' list of
+  (tier, bytes, pool) returned by release() once the step that used them has run.
+  """
+
+  def __init__(self, storage: Storage, steps: Steps, stages: list[Placed], policy: Policy, *,
+               clock: Clock, stats: dict, stage_names: list[str], device_is_host: bool):
+    self.storage, self.steps, self.stages = storage, steps, stages
+    self.policy, self.clock, self.stats = policy, clock, stats
+    self.stage_names = stage_names
+    self.device_is_host = device_is_host
+    self.workers: dict = {}
+    self._pending_stores: collections.deque = collections.deque()  # per step: write futures
+
+  def start(self) -> None:
+    if self.policy.overlap:
+      self.workers = {name: concurrent.futures.ThreadPoolExecutor(1, f'flexjax-{name}')
+                      for name in ('load', 'weights', 'store')}
+    else:
+      self.workers = {name: _Inline() for name in ('load', 'weights', 'store')}
+
+  def stop(self) -> None:
+    for worker in self.workers.values():
+      worker.shutdown(wait=True, cancel_futures=True)
+    self.workers = {}
+    self._pending_stores.clear()
+
+  # ---- weights ----------------------------------------------------------------------------------
+  def load_weights(self, index: int, after=None):
+    """Brings a stage's weights to the device once `after` (the previous stage's last outputs)
+    exist, so at most two stages' loaded weights are alive. Returns (params, bytes held)."""
+    if after is not None:
+      jax.block_until_ready(after)
+    tree, loaded = {}, 0
+    try:
+      for path, (tier, value) in self.stages[index].items():
+        if tier == 'device':
+          tree[path] = value
+          continue
+        loaded += self._load_tensor(path, tier, value, tree)
+    except BaseException:
+      self.storage.free('device', loaded, 'weights.loaded')
+      raise
+    self.stats['weight_loads'][self.stage_names[index]] += 1
+    return params_lib.unflatten(tree), loaded
+
+  def _load_tensor(self, path, tier: str, value, tree: dict) -> int:
+    """One non-resident tensor to the device, cast (or dequantized) there; waits for it, so only
+    one tensor is in flight. Returns the device bytes it holds."""
+    packed = isinstance(value, quant_lib.Packed)
+    stored = value.data if packed else value
+    shape = (*stored.shape[:-1], value.dim) if packed else stored.shape
+    nbytes = int(np.prod(shape)) * self.steps.compute.itemsize
+    self.storage.reserve('device', nbytes, 'weights.loaded')
+    try:
+      staged = stored.nbytes if tier == 'disk' else 0
+      self.storage.reserve('host', staged, 'weights.staging')
+      try:
+        host = stored.read() if tier == 'disk' else stored
+        self.storage.reserve('device', stored.nbytes, 'weights.transfer')
+        try:
+          moved = jax.device_put(host, self.storage.device)
+          finish = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
+                    if packed else self.steps.cast(moved))
+          tree[path] = finish.block_until_ready()
+          del moved, host
+        finally:
+          self.storage.free('device', stored.nbytes, 'weights.transfer')
+      finally:
+        self.storage.free('host', staged, 'weights.staging')
+    except BaseException:
+      self.storage.free('device', nbytes, 'weights.loaded')
+      raise
+    self.stats['bytes_moved']['weights'] += stored.nbytes
+    return nbytes
+
+  def free_weights(self, loaded: int) -> None:
+    self.storage.free('device', loaded, 'weights.loaded')
+
+  # ---- inputs -----------------------------------------------------------------------------------
+  def load_inputs(self, step, batch) -> dict:
+    """Brings a step's offloaded hidden rows and (decode) offloaded cache rows to where the
+    computation needs them. Runs on the load thread under overlap."""
+    out = {'held': []}
+    if step.stage > 0:
+      with self.clock.part('hidden_read'):
+        out['hidden'] = self.clock.ready(self._read_hidden(
+            batch.hidden, 1 if step.token else batch.tokens.shape[1], out['held']))
+    layer = step.stage - 1
+    if step.token > 0 and 0 <= layer < len(batch.caches):
+      k_cache, v_cache = batch.caches[layer]
+      if k_cache.offloaded_rows:  # sparse attention reads V later, only the rows it keeps
+        dense = self.policy.attn_sparsity == 1
+        with self.clock.part('cache_read'):
+          out['cache'] = self.clock.ready((
+              self._read_cache(k_cache, 'k_cache', out['held']),
+              self._read_cache(v_cache, 'v_cache', out['held']) if dense else None))
+    return out
+
+  def _hold(self, held: list, tier: str, nbytes: int, pool: str) -> None:
+    self.storage.reserve(tier, nbytes, pool)
+    held.append((tier, nbytes, pool))
+
+  def _read_hidden(self, hidden: SplitArray, length: int, held: list) -> jax.Array:
+    if not hidden.offloaded_rows:
+      hidden.wait()
+      return hidden.device
+    rows_bytes = hidden.offloaded_rows * length * hidden.shape[2] * hidden.dtype.itemsize
+    self._hold(held, 'host', rows_bytes, 'hidden.staging')
+    rows = hidden.read_offloaded(length)  # fresh and private: the CPU backend takes it as is
+    joined = hidden.rows['device'] > 0
+    device_bytes = rows_bytes + (hidden.shape[0] * length * hidden.shape[2]
+                                 * hidden.dtype.itemsize if joined else 0)
+    self._hold(held, 'device', device_bytes, 'hidden.loaded')
+    loaded = jax.device_put(rows, self.storage.device)
+    if joined:
+      return jnp.concatenate([hidden.device, loaded])
+    return loaded
+
+  def _read_cache(self, cache: SplitArray, name: str, held: list):
+    """Offloaded cache rows: on the CPU backend (CPU attention) or the device."""
+    nbytes = cache.offloaded_rows * cache.shape[1] * cache.shape[2] * cache.dtype.itemsize
+    self._hold(held, 'host', nbytes, 'cache.staging')
+    rows = cache.read_offloaded(cache.shape[1])
+    self.stats['bytes_moved'][name] += rows.nbytes
+    if self.policy.cpu_attention:
+      return jax.device_put(rows, self.steps.cpu)
+    if not self.device_is_host:
+      self._hold(held, 'device', rows.nbytes, 'cache.loaded')
+    return jax.device_put(rows, self.storage.device)
+
+  def gather_v(self, v_cache: SplitArray, positions: jax.Array, backend) -> jax.Array:
+    """Reads only the kept V rows of the offloaded part of a cache (host gather, disk reads)."""
+    positions = np.asarray(positions)
+    with self.clock.part('cache_read'):
+      rows = v_cache.read_offloaded_rows(positions)
+      self.stats['bytes_moved']['v_cache'] += rows.nbytes
+      return self.clock.ready(jax.device_put(rows, backend))
+
+  def release(self, inputs: dict) -> None:
+    """Returns the bytes a step's loaded inputs held (once)."""
+    for tier, nbytes, pool in inputs.pop('held', []):
+      self.storage.free(tier, nbytes, pool)
+
+  def release_when_ready(self, inputs: dict, outputs) -> concurrent.futures.Future:
+    """Returns the inputs' bytes once `outputs` exist (on the store thread)."""
+    def wait_and_release():
+      jax.block_until_ready(outputs)
+      self.release(inputs)
+    return self.workers['store'].submit(wait_and_release)
+
+  # ---- outputs ----------------------------------------------------------------------------------
+  def begin_step_stores(self) -> None:
+    """Starts a step's write-backs: waits for those of older steps, so the offloaded rows of at
+    most two steps (one without overlap) wait to be written (the plan's 'store.pending')."""
+    keep = 1 if self.policy.overlap else 0
+    while len(self._pending_stores) > keep:
+      for future in self._pending_stores.popleft():
+        future.result()
+    self._pending_stores.append([])
+
+  def store_cache(self, cache: SplitArray, value: jax.Array, slot: int) -> None:
+    if self.policy.compress_cache:  # [b, n, hidden] -> byte rows [b, n, row_bytes]
+      value = self.clock.ready(self.steps.quantize(value))
+    d = cache.rows['device']
+    with self.clock.part('cache_write'):
+      if d:
+        cache.device = self.clock.ready(self.steps.write_kv(cache.device, value[:d], slot))
+      if cache.offloaded_rows:
+        cache.wait()
+        cache.pending = self.workers['store'].submit(cache.write_offloaded, value, slot)
+        self._pending_stores[-1].append(cache.pending)
+
+  def store_hidden(self, hidden: SplitArray, value: jax.Array) -> None:
+    d = hidden.rows['device']
+    hidden.wait()
+    value = self.clock.ready(value)  # computed: the write starts here
+    with self.clock.part('hidden_write'):
+      hidden.device = self.clock.ready(value if d == value.shape[0] else
+                                       (value[:d] if d else None))
+      if hidden.offloaded_rows:
+        hidden.pending = self.workers['store'].submit(hidden.write_offloaded, value, 0)
+        self._pending_stores[-1].append(hidden.pending)

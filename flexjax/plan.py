@@ -1,0 +1,597 @@
+"""Execution plan: every buffer a run holds, per tier, with the phases it is alive in.
+
+This is flexjax's one memory model. The same buffer list serves three readers:
+  * the runtime: a run is checked against the plan's peak per tier before anything is
+    allocated, and every allocation draws from a buffer the plan named (storage.Pools);
+  * the cost model / LP: `memory_forms` evaluates the same list with the placement fractions
+    as variables (cost_model.Linear), one form per tier and phase;
+  * the search's exact re-check: `build` for a rounded policy.
+XLA's working memory comes from the compiled step functions (steps.Steps.working_memory), and
+the runtime's fixed overhead per backend from the hardware profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from flexjax.config import ModelConfig, np_dtype
+from flexjax.errors import FlexjaxError
+from flexjax.model import params as params_lib
+from flexjax.policy import Policy, assign_weight_tiers
+from flexjax.quant import Packed
+
+Path = tuple[str, ...]
+TIERS = ('device', 'host', 'disk')
+# compile: the stage functions compile (before any placement); place: weights are read from
+# their source and put on their tiers; prefill / decode: the block schedule runs.
+PHASES = ('compile', 'place', 'prefill', 'decode')
+RUN = ('prefill', 'decode')
+
+
+# ---- linear forms (the LP's view of a byte count) ------------------------------------------------
+@dataclasses.dataclass
+class Linear:
+  """const + sum(coef[v] * v) over placement fractions (wg, wc, wd, cg, cc, cd, hg, hc, hd)."""
+
+  const: float = 0.0
+  coef: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def __add__(self, other) -> 'Linear':
+    if not isinstance(other, Linear):
+      return Linear(self.const + other, dict(self.coef))
+    coef = dict(self.coef)
+    for k, v in other.coef.items():
+      coef[k] = coef.get(k, 0.0) + v
+    return Linear(self.const + other.const, coef)
+
+  __radd__ = __add__
+
+  def __mul__(self, factor: float) -> 'Linear':
+    return Linear(self.const * factor, {k: v * factor for k, v in self.coef.items()})
+
+  __rmul__ = __mul__
+
+  def value(self, x: dict[str, float]) -> float:
+    return self.const + sum(c * x[k] for k, c in self.coef.items())
+
+
+def term(const: float = 0.0, **coef: float) -> Linear:
+  return Linear(const, coef)
+
+
+# ---- the weight walk --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Itemsizes:
+  storage: int  # weights on host and disk
+  compute: int  # weights on the device, hidden states
+  cache: int
+
+
+def stage_names(cfg: ModelConfig) -> list[str]:
+  """Compute stages in model order: input embedding, decoder layers, output head."""
+  return ['embed'] + [params_lib.layer_name(i) for i in range(cfg.num_layers)] + ['head']
+
+
+def stage_shapes(cfg: ModelConfig, stage: str) -> dict[Path, tuple[int, ...]]:
+  """Flat shapes of a compute stage; the tied token embedding belongs to embed and head alike."""
+  if stage in ('embed', 'head'):
+    shapes = {'tokens': cfg.tokens_shape(), **params_lib.stage_shapes(cfg, stage)}
+  else:
+    shapes = params_lib.stage_shapes(cfg, stage)
+  return params_lib.flatten(shapes)
+
+
+def distinct_stages(cfg: ModelConfig) -> dict[str, int]:
+  """Stages with distinct shapes and how many times each occurs (all decoder layers alike)."""
+  return {'embed': 1, params_lib.layer_name(0): cfg.num_layers, 'head': 1}
+
+
+def compressed(policy: Policy, shape: tuple[int, ...]) -> bool:
+  """Whether a weight is stored quantized: matrices are, biases and LayerNorms are not."""
+  return policy.compress_weight and len(shape) >= 2
+
+
+def cache_row_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> int:
+  """Bytes of one token's K (or V) in one layer."""
+  if policy.compress_cache:
+    return policy.quant.row_bytes(cfg.hidden_size)
+  return cfg.hidden_size * sizes.cache
+
+
+def sparse_keep(policy: Policy, cache_len: int) -> int:
+  """Cached positions kept per decode step by sparse attention."""
+  return max(1, math.ceil(policy.attn_sparsity * cache_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlot:
+  """One weight tensor of a stage: where it lives and its bytes there and once loaded."""
+
+  path: Path
+  shape: tuple[int, ...]
+  tier: str
+  packed: bool  # stored quantized (in every tier, the device included)
+  stored: int  # bytes where it lives (storage dtype, or packed bytes)
+  loaded: int  # bytes on the device once loaded (compute dtype; dequantized once per load)
+
+  @property
+  def resident(self) -> int:
+    """Bytes of a device-resident tensor (packed stays packed; the rest in compute dtype)."""
+    return self.stored if self.packed else self.loaded
+
+
+def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
+                 stage: str) -> tuple[TensorSlot, ...]:
+  """Every tensor of a stage with its tier: tensors in sorted order, split by cumulative stored
+  size (policy.assign_weight_tiers). The one walk over weight bytes in flexjax."""
+  shapes = stage_shapes(cfg, stage)
+  paths = sorted(shapes)
+  stored = []
+  for path in paths:
+    shape = shapes[path]
+    count = int(np.prod(shape))
+    stored.append(count // shape[-1] * policy.quant.row_bytes(shape[-1])
+                  if compressed(policy, shape) else count * sizes.storage)
+  tiers = assign_weight_tiers(stored, policy.w_gpu_percent, policy.w_cpu_percent)
+  return tuple(TensorSlot(path, shapes[path], tier, compressed(policy, shapes[path]), size,
+                          int(np.prod(shapes[path])) * sizes.compute)
+               for path, tier, size in zip(paths, tiers, stored))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightTotals:
+  """Weight bytes per tier over the whole model, and the largest per-load quantities."""
+
+  placed: dict[str, int]  # device: resident bytes; host, disk: stored bytes
+  stored: dict[str, int]  # stored bytes per tier (the placement's realised shares)
+  loaded_max: int  # the largest stage's non-resident tensors once loaded
+  transfer_max: int  # the largest non-resident tensor as stored (in flight to the device)
+  disk_tensor_max: int  # the largest disk tensor (staged in host RAM while read)
+  stage_max: int  # the largest stage as stored, token embedding aside (read while placing)
+  resident_transfer_max: int  # the largest device-resident tensor as stored (put, then cast)
+  tensor_max: int  # the largest tensor but the tokens' (float32 while dummy weights are drawn)
+  tokens: int  # the token embedding as stored (read once, placed in two stages)
+  largest_load: tuple | None  # (shape, packed dim or None) of the largest loaded tensor
+
+
+def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightTotals:
+  placed = dict.fromkeys(TIERS, 0)
+  stored = dict.fromkeys(TIERS, 0)
+  loaded_max = transfer_max = disk_max = stage_max = tensor_max = resident_max = 0
+  largest_load, largest_loaded = None, -1
+  for stage, count in distinct_stages(cfg).items():
+    layout = stage_layout(cfg, policy, sizes, stage)
+    for slot in layout:
+      placed[slot.tier] += count * (slot.resident if slot.tier == 'device' else slot.stored)
+      stored[slot.tier] += count * slot.stored
+      if slot.path != ('tokens',):  # read on its own, before anything is placed
+        tensor_max = max(tensor_max, int(np.prod(slot.shape)) * 4)
+      if slot.tier != 'device':
+        transfer_max = max(transfer_max, slot.stored)
+        if slot.loaded > largest_loaded:
+          largest_loaded = slot.loaded
+          largest_load = ((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
+                          slot.shape[-1]) if slot.packed else (slot.shape, None)
+      if slot.tier == 'disk':
+        disk_max = max(disk_max, slot.stored)
+      if slot.tier == 'device':
+        resident_max = max(resident_max, slot.stored)
+    loaded_max = max(loaded_max, sum(s.loaded for s in layout if s.tier != 'device'))
+    stage_max = max(stage_max, sum(int(np.prod(s.shape)) * sizes.storage for s in layout
+                                   if s.path != ('tokens',)))
+  tokens = int(np.prod(cfg.tokens_shape())) * sizes.storage
+  return WeightTotals(placed, stored, loaded_max, transfer_max, disk_max, stage_max,
+                      resident_max, tensor_max, tokens, largest_load)
+
+
+# ---- buffers ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """`count` buffers of `nbytes` each on `tier`, alive during `phases`."""
+
+  name: str
+  tier: str
+  nbytes: Any  # int for a plan, Linear in the LP
+  count: int
+  phases: tuple[str, ...]
+  what: str
+
+  @property
+  def total(self):
+    return self.count * self.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+  """The runtime's own bytes beside the plan's buffers, per backend (hardware profile):
+  what the process keeps once the stage functions are compiled and have run (code, thread
+  pools, allocator slack), and the compiler's extra memory while compiling."""
+
+  runtime: int
+  compile: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """What the buffers depend on besides the placement: the run's geometry and dtypes."""
+
+  cfg: ModelConfig
+  policy: Policy
+  sizes: Itemsizes
+  prompt_len: int
+  gen_len: int
+  device_is_host: bool  # a CPU backend: device and host tiers are the same RAM
+  return_logits: bool = False
+
+  @property
+  def total_len(self) -> int:
+    return self.prompt_len + self.gen_len - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Shares:
+  """What the placement puts where: ints for a policy, Linear forms for the LP."""
+
+  weights: dict[str, Any]  # tier -> placed bytes
+  loaded: Any  # the largest stage's loaded (non-resident) bytes
+  transfer: Any  # the largest non-resident tensor as stored
+  disk_staging: Any  # the largest disk tensor
+  cache_rows: dict[str, Any]  # tier -> rows of a GPU batch
+  act_rows: dict[str, Any]
+  act_partial: Any  # 1 when the hidden states are split between the device and elsewhere
+
+
+def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, Any],
+            overhead: Overhead) -> list[Buffer]:
+  """Every buffer of a run. xla: step kind -> bytes of one call (steps.Steps.working_memory)."""
+  cfg, policy, sizes = shape.cfg, shape.policy, shape.sizes
+  b, g, L = policy.gpu_batch_size, policy.num_gpu_batches, cfg.num_layers
+  s, t, h = shape.prompt_len, shape.total_len, cfg.hidden_size
+  overlap = policy.overlap
+  stages_alive = 2 if overlap else 1  # the stage computing and the next one loading
+  steps_alive = 2 if overlap else 1  # steps dispatched and not yet finished (executor bound)
+  inputs_alive = steps_alive + (1 if overlap else 0)  # loaded inputs: those steps + one loading
+  row = cache_row_bytes(cfg, policy, sizes)
+  kv_seq = 2 * t * row  # K and V of one sequence, one layer
+  kept = sparse_keep(policy, t) if policy.attn_sparsity < 1 else t
+  kv_read = (t + kept) * row  # read for one sequence's attention: all of K, kept rows of V
+  hid = h * sizes.compute
+  cr, ar = shares.cache_rows, shares.act_rows
+  off_cache = cr['host'] + cr['disk']
+  off_act = ar['host'] + ar['disk']
+  host_for_attention = 'host' if policy.cpu_attention else 'device'
+  out = [
+      # on a CPU backend the runtime's own memory is RAM beside the (simulated) device tier
+      Buffer('runtime', 'host' if shape.device_is_host else 'device', overhead.runtime, 1,
+             PHASES, 'runtime overhead of the backend'),
+      Buffer('compiler', 'host', overhead.compile, 1, ('compile',), 'compiler working memory'),
+      Buffer('weights.resident', 'device', shares.weights['device'], 1, ('place',) + RUN,
+             'weights resident on the device'),
+      Buffer('weights.host', 'host', shares.weights['host'], 1, ('place',) + RUN,
+             'weights in host RAM'),
+      Buffer('weights.disk', 'disk', shares.weights['disk'], 1, ('place',) + RUN,
+             'weights on disk'),
+      Buffer('source.stage', 'host', totals.stage_max + totals.tensor_max, 1, ('place',),
+             'one stage read from the weight source'),
+      Buffer('source.tokens', 'host', totals.tokens, 1, ('place',),
+             'token embedding read once for two stages'),
+      Buffer('weights.place_transfer', 'device', totals.resident_transfer_max, 1, ('place',),
+             'a resident tensor put on the device, before its cast'),
+      Buffer('xla.quantize_weights', 'device' if shape.device_is_host else 'host',
+             xla.get('place', 0), 1, ('place',), 'quantizing a weight tensor'),
+      Buffer('weights.loaded', 'device', shares.loaded, stages_alive, RUN,
+             'non-resident weights of a stage, loaded'),
+      Buffer('weights.transfer', 'device', shares.transfer, 1, RUN,
+             'a weight tensor in flight, before its cast'),
+      Buffer('weights.staging', 'host', shares.disk_staging, 1, RUN,
+             'a disk weight tensor read into RAM'),
+      Buffer('xla.load', 'device', xla['load'], 1, RUN, 'cast / dequantize of a loaded tensor'),
+      Buffer('cache.device', 'device', L * g * kv_seq * cr['device'], 1, RUN,
+             'KV cache rows on the device'),
+      Buffer('cache.host', 'host', L * g * kv_seq * cr['host'], 1, RUN, 'KV cache rows in RAM'),
+      Buffer('cache.disk', 'disk', L * g * kv_seq * cr['disk'], 1, RUN, 'KV cache rows on disk'),
+      Buffer('hidden.device', 'device', g * s * hid * ar['device'], 1, RUN,
+             'hidden states on the device'),
+      Buffer('hidden.host', 'host', g * s * hid * ar['host'], 1, RUN, 'hidden states in RAM'),
+      Buffer('hidden.disk', 'disk', g * s * hid * ar['disk'], 1, RUN, 'hidden states on disk'),
+      Buffer('hidden.staging', 'host', s * hid * off_act, inputs_alive, RUN,
+             'offloaded hidden rows read for a step'),
+      Buffer('hidden.loaded', 'device', s * hid * (off_act + b * shares.act_partial),
+             inputs_alive, RUN, 'offloaded hidden rows on the device, joined to the rest'),
+      Buffer('cache.staging', 'host', kv_read * off_cache, inputs_alive, ('decode',),
+             'offloaded KV rows read for attention'),
+      Buffer('xla.prefill', 'device', xla['prefill_step'], steps_alive, ('prefill',),
+             'XLA temporaries and outputs of the steps in flight'),
+      Buffer('xla.decode', 'device', xla['decode_step'], steps_alive, ('decode',),
+             'XLA temporaries and outputs of the steps in flight'),
+      Buffer('xla.cpu_attention', 'host', xla['cpu_attention'], steps_alive, ('decode',),
+             'attention over host KV rows on the CPU backend'),
+      Buffer('store.pending', 'device', s * (2 * row * off_cache + hid * off_act), steps_alive, RUN,
+             'offloaded rows of a step awaiting write-back'),
+  ]
+  if not shape.device_is_host:  # on a CPU backend these are the host buffers themselves
+    out += [
+        Buffer('cache.loaded', host_for_attention, 0 if policy.cpu_attention
+               else kv_read * off_cache, inputs_alive, ('decode',),
+               'offloaded KV rows copied to the device for attention'),
+        Buffer('store.host_copy', 'host', s * (2 * row * off_cache + hid * off_act), 1, RUN,
+               'offloaded rows of a step copied to RAM for write-back'),
+    ]
+  if shape.return_logits:
+    out.append(Buffer('logits', 'host', g * b * shape.gen_len * cfg.vocab_size * 4, 1, RUN,
+                      'logits of the block, returned'))
+  out.append(Buffer('block.host_state', 'host', g * b * (shape.gen_len * 4 + t + 2 * s * 5), 1,
+                    RUN, 'tokens, masks and outputs of the block'))
+  return out
+
+
+def peaks_by_phase(buffers_: list[Buffer], tiers=TIERS) -> dict[str, dict[str, Any]]:
+  """tier -> phase -> bytes alive (sums of the buffers alive in that phase)."""
+  out = {tier: dict.fromkeys(PHASES, 0) for tier in tiers}
+  for buf in buffers_:
+    for phase in buf.phases:
+      out[buf.tier][phase] = out[buf.tier][phase] + buf.total
+  return out
+
+
+# ---- the plan of one run ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+  """Every buffer of one run with its tier and phases; its peaks are what the run is checked
+  against before anything is allocated."""
+
+  shape: Shape
+  buffers: tuple[Buffer, ...]
+  working: dict[str, int]  # XLA bytes per step kind, from the compiled functions
+
+  @property
+  def policy(self) -> Policy:
+    return self.shape.policy
+
+  def by_phase(self) -> dict[str, dict[str, int]]:
+    return peaks_by_phase(list(self.buffers))
+
+  def peaks(self) -> dict[str, int]:
+    """Peak bytes per tier ('device', 'host', 'disk'), and 'ram' on a CPU backend where the
+    device and the host are the same memory (the peak of their sum, phase by phase)."""
+    phases = self.by_phase()
+    out = {tier: int(max(phases[tier].values())) for tier in TIERS}
+    if self.shape.device_is_host:
+      out['ram'] = int(max(phases['device'][p] + phases['host'][p] for p in PHASES))
+    return out
+
+  def capacity(self, name: str) -> int:
+    """Bytes the runtime may hold at once in the buffer(s) called `name`."""
+    return sum(int(b.total) for b in self.buffers if b.name == name)
+
+  def check(self, budgets: dict[str, int | None]) -> None:
+    """Refuses a plan whose peak exceeds a budget, naming the tier, the need and the budget."""
+    peaks = self.peaks()
+    for tier in (('ram',) if self.shape.device_is_host else ()) + TIERS:
+      budget = budgets.get(tier)
+      if budget is None or peaks.get(tier, 0) <= budget:
+        continue
+      flag = {'device': '--gpu_mem', 'host': '--cpu_mem', 'ram': '--cpu_mem',
+              'disk': '--disk_mem'}[tier]
+      where = 'RAM (device and host tiers together)' if tier == 'ram' else f'{tier} tier'
+      top = sorted((b for b in self.buffers if b.tier == tier or tier == 'ram' and
+                    b.tier in ('device', 'host')), key=lambda b: -b.total)[:3]
+      largest = ', '.join(f'{b.name} {_size(b.total)}' for b in top)
+      raise FlexjaxError(
+          f'policy {self.policy.describe()} needs {_size(peaks[tier])} on the {where} but '
+          f'{flag} allows {_size(budget)} (short by {_size(peaks[tier] - budget)}; largest: '
+          f'{largest}); raise {flag}, or move weights/cache/hidden states to a lower tier or '
+          'use smaller GPU batches')
+
+  def table(self) -> str:
+    """The buffers, one line each, with the peak per tier."""
+    lines = [f'{"buffer":<22} {"tier":<6} {"bytes":>12} x{"n":<2} phases']
+    for buf in self.buffers:
+      if buf.total:
+        lines.append(f'{buf.name:<22} {buf.tier:<6} {_size(buf.nbytes):>12} x{buf.count:<2} '
+                     f'{",".join(buf.phases)}')
+    lines.append('peak: ' + ', '.join(f'{k} {_size(v)}' for k, v in self.peaks().items()))
+    return '\n'.join(lines)
+
+
+def exact_shares(shape: Shape, totals: WeightTotals) -> Shares:
+  policy = shape.policy
+  act = policy.rows('act')
+  return Shares(weights=totals.placed, loaded=totals.loaded_max, transfer=totals.transfer_max,
+                disk_staging=totals.disk_tensor_max, cache_rows=policy.rows('cache'),
+                act_rows=act,
+                act_partial=int(act['device'] > 0 and act['device'] < policy.gpu_batch_size))
+
+
+def step_bytes(working: dict) -> dict[str, int]:
+  """Bytes of one step of each kind from the compiled functions' memory (steps.StepMemory)."""
+  return {
+      'prefill_step': max(working['embed'].total, working['prefill'].total,
+                          working['head'].total),
+      'decode_step': max(working['embed'].total, working['decode'].total, working['head'].total),
+      'cpu_attention': working['cpu_attention'].total,
+      'load': working['load'].temp,
+      'place': working['place'].total,
+  }
+
+
+def memory_forms(shape: Shape, xla: dict[str, Any], overhead: Overhead) -> dict[str, list[Linear]]:
+  """The plan's peaks as linear forms of the placement fractions, one per tier and phase (the
+  LP's memory constraints). Weight shares are proportional to the fractions of stored bytes,
+  the largest per-load quantities to the non-device share."""
+  cfg, policy, sizes = shape.cfg, shape.policy, shape.sizes
+  full = dataclasses.replace(policy, w_gpu_percent=0, w_cpu_percent=100)
+  totals = weight_totals(cfg, full, sizes)
+  resident_all = weight_totals(cfg, dataclasses.replace(policy, w_gpu_percent=100,
+                                                        w_cpu_percent=0), sizes).placed['device']
+  stored_all = totals.placed['host']
+  b = policy.gpu_batch_size
+  rows = lambda letter: {'device': term(**{f'{letter}g': b}), 'host': term(**{f'{letter}c': b}),
+                         'disk': term(**{f'{letter}d': b})}
+  shares = Shares(
+      weights={'device': term(wg=resident_all), 'host': term(wc=stored_all),
+               'disk': term(wd=stored_all)},
+      loaded=term(wc=totals.loaded_max, wd=totals.loaded_max),
+      transfer=term(wc=totals.transfer_max, wd=totals.transfer_max),
+      disk_staging=term(wd=totals.transfer_max),
+      cache_rows=rows('c'), act_rows=rows('h'),
+      act_partial=term(hc=1, hd=1))
+  bufs = buffers(shape, shares, totals, xla, overhead)
+  phases = peaks_by_phase(bufs)
+  forms = {tier: [_as_linear(phases[tier][p]) for p in PHASES] for tier in TIERS}
+  if shape.device_is_host:
+    forms['ram'] = [_as_linear(phases['device'][p]) + _as_linear(phases['host'][p])
+                    for p in PHASES]
+  return forms
+
+
+def _as_linear(value) -> Linear:
+  return value if isinstance(value, Linear) else Linear(float(value))
+
+
+# ---- compiled working memory --------------------------------------------------------------------
+def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
+                compute_dtype: str) -> dict[str, dict]:
+  """Loaded parameter trees of the embed, layer and head steps as shape structs: device-resident
+  quantized tensors stay packed (dequantized inside the step), the rest in the compute dtype."""
+  dtype = np_dtype(compute_dtype)
+  out = {}
+  for kind, stage in (('embed', 'embed'), ('layer', params_lib.layer_name(0)), ('head', 'head')):
+    flat = {}
+    for slot in stage_layout(cfg, policy, sizes, stage):
+      if slot.packed and slot.tier == 'device':
+        data = jax.ShapeDtypeStruct((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
+                                    np.uint8)
+        flat[slot.path] = Packed(data, slot.shape[-1], policy.quant)
+      else:
+        flat[slot.path] = jax.ShapeDtypeStruct(slot.shape, dtype)
+    out[kind] = params_lib.unflatten(flat)
+  return out
+
+
+def _size(nbytes) -> str:
+  nbytes = float(nbytes)
+  for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+    if abs(nbytes) >= scale:
+      return f'{nbytes / scale:.2f} {unit}'
+  return f'{int(nbytes)} B'
+
+
+class Planner:
+  """Plans runs of one model, weight source dtype and compute/cache dtypes on one backend.
+
+  The step functions are compiled at each geometry once per planner (the compiled executables
+  are the run's warm-up: jax reuses them), and their XLA memory feeds the plan.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, storage_dtype: str, compute_dtype: str,
+               cache_dtype: str, device: jax.Device, cpu: jax.Device, overhead: Overhead,
+               device_is_host: bool | None = None):
+    self.cfg = cfg
+    self.dtypes = dict(storage_dtype=storage_dtype, compute_dtype=compute_dtype,
+                       cache_dtype=cache_dtype)
+    self.sizes = Itemsizes(storage=np_dtype(storage_dtype).itemsize,
+                           compute=np_dtype(compute_dtype).itemsize,
+                           cache=np_dtype(cache_dtype).itemsize)
+    self.device, self.cpu = device, cpu
+    # planning for another machine (a GPU profile on a CPU) names its kind; XLA's memory is then
+    # read from this backend's compile of the same functions
+    self.device_is_host = device.platform == 'cpu' if device_is_host is None else device_is_host
+    self.overhead = overhead
+    self._steps: dict[tuple, Any] = {}
+    self._working: dict[tuple, dict] = {}
+
+  @classmethod
+  def for_sizes(cls, cfg: ModelConfig, sizes: Itemsizes, *, device_is_host: bool,
+                overhead: Overhead | None = None) -> 'Planner':
+    """A planner from item sizes alone (cost-model studies), compiling on the CPU backend."""
+    from flexjax import hardware
+    names = {1: 'float16', 2: 'float16', 4: 'float32'}
+    cpu = hardware.cpu_device()
+    return cls(cfg, storage_dtype=names[sizes.storage], compute_dtype=names[sizes.compute],
+               cache_dtype=names[sizes.cache], device=cpu, cpu=cpu,
+               overhead=overhead or hardware.runtime_overhead('cpu' if device_is_host else 'gpu'),
+               device_is_host=device_is_host)
+
+  def steps(self, policy: Policy):
+    """The jitted step functions for a policy's approximations (shared by equal ones)."""
+    from flexjax.steps import Steps
+    key = (policy.compress_weight, policy.compress_cache, policy.compress_bits,
+           policy.compress_group_size, policy.attn_sparsity)
+    if key not in self._steps:
+      self._steps[key] = Steps(self.cfg, policy, device=self.device, cpu=self.cpu, **self.dtypes)
+    return self._steps[key]
+
+  def shape(self, policy: Policy, prompt_len: int, gen_len: int, *,
+            return_logits: bool = False) -> Shape:
+    return Shape(self.cfg, policy, self.sizes, prompt_len, gen_len, self.device_is_host,
+                 return_logits)
+
+  def working(self, policy: Policy, *, rows: int, device_rows: int, cpu_attention: bool,
+              prompt_len: int, gen_len: int, temperature: float = 0.0,
+              top_p: float = 1.0) -> dict:
+    """XLA bytes per step kind at these shapes (compiled once per planner)."""
+    totals = weight_totals(self.cfg, policy, self.sizes)
+    largest_tensor = None
+    if policy.compress_weight:
+      largest_tensor = max((slot.shape for stage in distinct_stages(self.cfg)
+                            for slot in stage_layout(self.cfg, policy, self.sizes, stage)
+                            if slot.packed), key=lambda shape: int(np.prod(shape)))
+    key = (policy.compress_weight, policy.compress_cache, policy.compress_bits,
+           policy.compress_group_size, policy.attn_sparsity, rows, device_rows, cpu_attention,
+           prompt_len, gen_len, temperature, top_p, totals.largest_load, largest_tensor)
+    if key not in self._working:
+      self._working[key] = self.steps(policy).working_memory(
+          params=param_specs(self.cfg, policy, self.sizes, self.dtypes['compute_dtype']),
+          rows=rows, device_rows=device_rows, prompt_len=prompt_len,
+          total_len=prompt_len + gen_len - 1, cpu_attention=cpu_attention,
+          temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
+          largest_tensor=largest_tensor)
+    return self._working[key]
+
+  def xla(self, policy: Policy, *, prompt_len: int, gen_len: int, temperature: float = 0.0,
+          top_p: float = 1.0, estimate: bool = False) -> dict[str, Any]:
+    """XLA bytes per step kind of `policy`: compiled at its real shapes, or (estimate) from
+    the steps compiled for one and two sequences, extended linearly to the GPU batch (their
+    sizes grow linearly with it; the search screens many batch sizes this way)."""
+    if not estimate:
+      return step_bytes(self.working(
+          policy, rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
+          cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
+          temperature=temperature, top_p=top_p))
+    fits = []
+    for rows in (1, 2):
+      kw = dict(rows=rows, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
+                top_p=top_p)
+      on_device = step_bytes(self.working(policy, device_rows=rows, cpu_attention=False, **kw))
+      if policy.cpu_attention:
+        on_cpu = step_bytes(self.working(policy, device_rows=0, cpu_attention=True, **kw))
+        on_device = {k: max(on_device[k], on_cpu[k]) for k in on_device}
+      fits.append(on_device)
+    one, two = fits
+    b = policy.gpu_batch_size
+    return {k: max(one[k], one[k] + (b - 1) * (two[k] - one[k])) for k in one}
+
+  def plan(self, policy: Policy, *, prompt_len: int, gen_len: int, return_logits: bool = False,
+           temperature: float = 0.0, top_p: float = 1.0,
+           estimate: bool = False) -> ExecutionPlan:
+    """The plan of a run of `policy`: exact (its steps compiled at their real shapes), or with
+    XLA's bytes estimated (`xla`)."""
+    xla = self.xla(policy, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
+                   top_p=top_p, estimate=estimate)
+    shape = self.shape(policy, prompt_len, gen_len, return_logits=return_logits)
+    totals = weight_totals(self.cfg, policy, self.sizes)
+    return ExecutionPlan(shape, tuple(buffers(shape, exact_shares(shape, totals), totals, xla,
+                                              self.overhead)), xla)
+
+  def forms(self, policy: Policy, *, prompt_len: int, gen_len: int) -> dict[str, list[Linear]]:
+    """The LP's memory constraints for `policy`'s batch geometry (placement left free), with
+    XLA's bytes estimated; the plan of the rounded policy re-checks the result."""
+    xla = self.xla(policy, prompt_len=prompt_len, gen_len=gen_len, estimate=True)
+    xla['cpu_attention'] = term(cc=xla['cpu_attention'], cd=xla['cpu_attention'])
+    return memory_forms(self.shape(policy, prompt_len, gen_len), xla, self.overhead)

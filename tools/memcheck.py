@@ -1,0 +1,129 @@
+"""Real memory against the execution plan: runs policies in fresh processes and compares the
+peak the system measured (process RSS above the idle process on a CPU backend; memory_stats on a
+GPU) with the plan's peak for the same tier.
+
+  python -m tools.memcheck                              # every case, table to stdout
+  python -m tools.memcheck --only=all_device,cache_disk --output=memcheck.jsonl
+  python -m tools.memcheck --overhead                   # the CPU runtime's own overhead
+
+A plan is a bound only if measured <= planned on every case; the ratio planned / measured says
+how tight it is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from absl import app, flags
+
+# name -> flags of `python -m flexjax.main` (dummy weights; --nowarmup: the plan compiles).
+COMMON = ('--weights=dummy', '--nowarmup')
+SMALL = ('--model=opt-125m', '--prompt_len=128', '--gen_len=8', '--gpu_batch_size=8')
+CASES: dict[str, tuple[str, ...]] = {
+    'all_device': SMALL,
+    'weights_host': SMALL + ('--w_gpu_percent=0', '--w_cpu_percent=100'),
+    'weights_disk': SMALL + ('--w_gpu_percent=0', '--w_cpu_percent=0'),
+    'weights_split': SMALL + ('--w_gpu_percent=30', '--w_cpu_percent=40'),
+    'cache_host': SMALL + ('--cache_gpu_percent=0', '--cache_cpu_percent=100'),
+    'cache_disk': SMALL + ('--cache_gpu_percent=0', '--cache_cpu_percent=0'),
+    'cache_split': SMALL + ('--cache_gpu_percent=25', '--cache_cpu_percent=50'),
+    'cpu_attention': SMALL + ('--cache_gpu_percent=0', '--cache_cpu_percent=100',
+                              '--cpu_attention'),
+    'int4_weights_cache': SMALL + ('--compress_weight', '--compress_cache', '--w_gpu_percent=0',
+                                   '--w_cpu_percent=100'),
+    'sparse_attention': SMALL + ('--attn_sparsity=0.1', '--cache_gpu_percent=0',
+                                 '--cache_cpu_percent=100'),
+    'hidden_offloaded': SMALL + ('--act_gpu_percent=0', '--act_cpu_percent=50'),
+    'no_overlap_everything_off': SMALL + ('--num_gpu_batches=2', '--w_gpu_percent=0',
+                                          '--w_cpu_percent=50', '--cache_gpu_percent=0',
+                                          '--cache_cpu_percent=50', '--act_gpu_percent=0',
+                                          '--act_cpu_percent=50', '--nooverlap'),
+    'prefill_heavy': ('--model=opt-125m', '--prompt_len=512', '--gen_len=2',
+                      '--gpu_batch_size=48'),
+    'decode_heavy': ('--model=opt-125m', '--prompt_len=32', '--gen_len=64', '--gpu_batch_size=32',
+                     '--num_gpu_batches=2'),
+    'opt350m_disk_block': ('--model=opt-350m', '--prompt_len=256', '--gen_len=8',
+                           '--gpu_batch_size=16', '--num_gpu_batches=2', '--w_gpu_percent=20',
+                           '--w_cpu_percent=30', '--cache_gpu_percent=50',
+                           '--cache_cpu_percent=25'),
+}
+# Cases CI runs (small and quick).
+CI_CASES = ('all_device', 'weights_disk', 'cpu_attention')
+# The overhead case: a model so small that the plan's buffers are negligible next to the
+# runtime's own memory.
+OVERHEAD_CASE = ('--model=opt-125m', '--prompt_len=8', '--gen_len=2', '--gpu_batch_size=1')
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_list('only', None, f'Cases to run (default: all of {", ".join(CASES)}).',
+                    flag_values=fv)
+  flags.DEFINE_string('output', None, 'Append one JSON line per case here.', flag_values=fv)
+  flags.DEFINE_bool('overhead', False, 'Measure the CPU runtime overhead instead.',
+                    flag_values=fv)
+
+
+def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -> dict[str, Any]:
+  """Runs one case in a fresh process; returns its planned and measured peaks."""
+  argv = [sys.executable, '-m', 'flexjax.main', *COMMON, *CASES.get(name, ()), *extra]
+  with tempfile.TemporaryDirectory(prefix='flexjax-memcheck-') as tmp:
+    done = subprocess.run(argv + [f'--offload_dir={tmp}'], capture_output=True, text=True,
+                          timeout=timeout)
+  if done.returncode != 0:
+    raise RuntimeError(f'case {name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}')
+  report = json.loads(done.stdout.strip().splitlines()[-1])
+  on_cpu = report['device'].startswith('cpu')
+  tier = 'ram' if on_cpu else 'device'
+  planned = report[f'planned_{tier}_peak_bytes']
+  measured = report[f'measured_{tier}_peak_bytes']
+  return {'case': name, 'flags': list(CASES.get(name, ())) + list(extra), 'tier': tier,
+          'planned': planned, 'measured': measured, 'ratio': planned / max(1, measured),
+          'fits': measured <= planned, 'policy': report['policy'],
+          'total_tok_s': report['total_tok_s']}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+  lines = ['| case | tier | planned GiB | measured GiB | planned / measured | real <= plan |',
+           '|---|---|---:|---:|---:|---|']
+  for r in rows:
+    lines.append(f'| {r["case"]} | {r["tier"]} | {r["planned"] / 2**30:.3f} | '
+                 f'{r["measured"] / 2**30:.3f} | {r["ratio"]:.2f} | '
+                 f'{"yes" if r["fits"] else "NO"} |')
+  return '\n'.join(lines)
+
+
+def measure_overhead() -> dict[str, int]:
+  """The CPU runtime's own memory: RSS added by a run whose buffers are negligible, minus the
+  plan's buffers other than the overhead (recorded as hardware.CPU_*_OVERHEAD)."""
+  row = run_case('overhead', OVERHEAD_CASE)
+  return {'measured_rss_bytes': row['measured'], 'planned_bytes': row['planned']}
+
+
+def main(argv) -> None:
+  del argv
+  fv = flags.FLAGS
+  if fv.overhead:
+    print(json.dumps(measure_overhead()))
+    return
+  names = fv.only or list(CASES)
+  unknown = [n for n in names if n not in CASES]
+  if unknown:
+    raise app.UsageError(f'unknown cases {unknown}; choose from {", ".join(CASES)}')
+  rows = []
+  for name in names:
+    row = run_case(name)
+    rows.append(row)
+    print(f'{name}: planned {row["planned"] / 2**30:.3f} GiB, measured '
+          f'{row["measured"] / 2**30:.3f} GiB ({row["ratio"]:.2f})', flush=True)
+    if fv.output:
+      with open(fv.output, 'a') as f:
+        f.write(json.dumps(row) + '\n')
+  print(table(rows))
+
+
+if __name__ == '__main__':
+  define_flags(flags.FLAGS)
+  app.run(main)
