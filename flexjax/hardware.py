@@ -19,7 +19,7 @@ from flexjax.errors import FlexjaxError
 
 GB = 1e9
 # Defaults of the CPU backend's overhead (see runtime_overhead).
-CPU_RUNTIME_OVERHEAD = 160 * 2**20
+CPU_RUNTIME_OVERHEAD = 256 * 2**20
 CPU_COMPILE_OVERHEAD = 96 * 2**20
 
 

@@ -502,6 +502,14 @@ class Planner:
     # planning for another machine (a GPU profile on a CPU) names its kind; XLA's memory is then
     # read from this backend's compile of the same functions
     self.device_is_host = device.platform == 'cpu' if device_is_host is None else device_is_host
+    # A GPU target planned on a CPU: XLA:CPU widens float16 math to float32 (with float32
+    # copies of the weights) where a GPU would not, so the steps are compiled in float32 and
+    # their bytes scaled to the compute dtype's size.
+    self.scale = 1.0
+    self.compile_dtypes = dict(self.dtypes)
+    if device.platform == 'cpu' and not self.device_is_host:
+      self.compile_dtypes.update(compute_dtype='float32', cache_dtype='float32')
+      self.scale = self.sizes.compute / 4
     self.overhead = overhead
     self._steps: dict[tuple, Any] = {}
     self._working: dict[tuple, dict] = {}
@@ -524,7 +532,8 @@ class Planner:
     key = (policy.compress_weight, policy.compress_cache, policy.compress_bits,
            policy.compress_group_size, policy.attn_sparsity)
     if key not in self._steps:
-      self._steps[key] = Steps(self.cfg, policy, device=self.device, cpu=self.cpu, **self.dtypes)
+      self._steps[key] = Steps(self.cfg, policy, device=self.device, cpu=self.cpu,
+                               **self.compile_dtypes)
     return self._steps[key]
 
   def shape(self, policy: Policy, prompt_len: int, gen_len: int, *,
@@ -546,12 +555,13 @@ class Planner:
            policy.compress_group_size, policy.attn_sparsity, rows, device_rows, cpu_attention,
            prompt_len, gen_len, temperature, top_p, totals.largest_load, largest_tensor)
     if key not in self._working:
-      self._working[key] = self.steps(policy).working_memory(
-          params=param_specs(self.cfg, policy, self.sizes, self.dtypes['compute_dtype']),
+      working = self.steps(policy).working_memory(
+          params=param_specs(self.cfg, policy, self.sizes, self.compile_dtypes['compute_dtype']),
           rows=rows, device_rows=device_rows, prompt_len=prompt_len,
           total_len=prompt_len + gen_len - 1, cpu_attention=cpu_attention,
           temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
           largest_tensor=largest_tensor)
+      self._working[key] = {k: v.scaled(self.scale) for k, v in working.items()}
     return self._working[key]
 
   def xla(self, policy: Policy, *, prompt_len: int, gen_len: int, temperature: float = 0.0,

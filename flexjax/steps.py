@@ -29,6 +29,9 @@ class StepMemory:
   def total(self) -> int:
     return self.temp + self.output
 
+  def scaled(self, factor: float) -> 'StepMemory':
+    return StepMemory(int(self.temp * factor), int(self.output * factor))
+
   @staticmethod
   def of(compiled) -> 'StepMemory':
     stats = compiled.memory_analysis()

@@ -64,6 +64,9 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_string('output', None, 'Append one JSON line per case here.', flag_values=fv)
   flags.DEFINE_bool('overhead', False, 'Measure the CPU runtime overhead instead.',
                     flag_values=fv)
+  flags.DEFINE_bool('t4', False, 'Print the T4 table instead: the searched and the paper\'s '
+                    'policies of OPT-30B/175B with their planned device peak next to 16 GB.',
+                    flag_values=fv)
 
 
 def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -> dict[str, Any]:
@@ -102,9 +105,52 @@ def measure_overhead() -> dict[str, int]:
   return {'measured_rss_bytes': row['measured'], 'planned_bytes': row['planned']}
 
 
+def paper_policies():
+  """The paper's OPT-30B / OPT-175B policies for prompt 512 (Table 2 / REFERENCE_NUMBERS)."""
+  from flexjax.policy import Policy
+  return {
+      'opt-30b': Policy(gpu_batch_size=48, num_gpu_batches=3, w_gpu_percent=20,
+                        w_cpu_percent=80, cache_gpu_percent=0, cache_cpu_percent=100,
+                        act_gpu_percent=0, act_cpu_percent=100, cpu_attention=True),
+      'opt-175b': Policy(gpu_batch_size=32, num_gpu_batches=8, w_gpu_percent=0,
+                         w_cpu_percent=50, cache_gpu_percent=0, cache_cpu_percent=0,
+                         act_gpu_percent=0, act_cpu_percent=100, cpu_attention=True),
+  }
+
+
+def t4_table() -> str:
+  """Plans of the searched and the paper's policies on the paper's T4 machine (16 GB GPU,
+  208 GB RAM, 1.5 TB disk; prompt 512, gen 32, fp16), XLA bytes from this backend's compile."""
+  from flexjax import plan as plan_lib
+  from flexjax.config import preset
+  from flexjax.hardware import t4_profile
+  from flexjax.search import search
+  budgets = {'device': 16 * 10**9, 'host': 208 * 10**9, 'disk': 1500 * 10**9}
+  lines = ['| model | policy | source | device plan GB | fits 16 GB | predicted tok/s |',
+           '|---|---|---|---:|---|---:|']
+  for name, paper in paper_policies().items():
+    cfg = preset(name)
+    planner = plan_lib.Planner.for_sizes(cfg, plan_lib.Itemsizes(2, 2, 2), device_is_host=False)
+    found = search(cfg, t4_profile(), budgets, prompt_len=512, gen_len=32,
+                   sizes=planner.sizes, planner=planner)
+    from flexjax import cost_model
+    for source, policy, predicted in (
+        ('search', found.policy, found.prediction.throughput),
+        ('paper', paper, cost_model.predict(cfg, paper, t4_profile(), planner.sizes,
+                                            prompt_len=512, gen_len=32,
+                                            planner=planner).throughput)):
+      device = planner.plan(policy, prompt_len=512, gen_len=32).peaks()['device']
+      lines.append(f'| {name} | {policy.describe()} | {source} | {device / 1e9:.2f} | '
+                   f'{"yes" if device <= budgets["device"] else "no"} | {predicted:.2f} |')
+  return '\n'.join(lines)
+
+
 def main(argv) -> None:
   del argv
   fv = flags.FLAGS
+  if fv.t4:
+    print(t4_table())
+    return
   if fv.overhead:
     print(json.dumps(measure_overhead()))
     return
