@@ -81,7 +81,7 @@ class DiskArray:
     """Shape and (byte offset, byte length) runs of `index`: `...`, or (slice rows, slice time)."""
     if index is Ellipsis:
       return self.shape, [(0, self.nbytes)]
-    rows, time = index
+    rows, time = (*index, slice(None))[:2]
     rows = range(*rows.indices(self.shape[0]))
     start, stop, _ = time.indices(self.shape[1])
     per_time = int(np.prod(self.shape[2:])) * self.dtype.itemsize
@@ -106,6 +106,9 @@ class DiskArray:
   def read(self, index: Any = ..., out: np.ndarray | None = None) -> np.ndarray:
     """A fresh array of the entries at `index` (or those entries read into `out`, a C-contiguous
     array of their shape)."""
+    if isinstance(index, tuple) and len(index) == 1 and isinstance(index[0], (int, np.integer)):
+      row = int(index[0])
+      return self.read((slice(row, row + 1), slice(None)))[0]
     if isinstance(index, tuple) and not isinstance(index[0], slice):
       return self._gather(*index)
     shape, runs = self._segments(index)
