@@ -66,7 +66,8 @@ def run_flexjax(engine, *, batch_size: int, prompt_len: int, gen_len: int,
                 repeats: int = 1) -> list[dict[str, Any]]:
   """One warm-up (compile) run, then `repeats` timed runs of one batch. Returns their timings."""
   from flexjax.engine import GenerationConfig
-  from flexjax.run import peak_memory, synthetic_prompts
+  from flexjax.memwatch import MemoryWatch
+  from flexjax.run import synthetic_prompts
   prompts = synthetic_prompts(engine.config, num=batch_size, length=prompt_len, seed=0)
   from flexjax.policy import Policy
   gen = GenerationConfig(gen_len=gen_len, stop_at_eos=False)
@@ -74,8 +75,10 @@ def run_flexjax(engine, *, batch_size: int, prompt_len: int, gen_len: int,
   timings = []
   for i in range(repeats):
     reset_peak_rss()
+    watch = MemoryWatch.start(engine.device)
     result = engine.generate(prompts, gen, policy=policy, warmup=(i == 0))
-    memory = peak_memory(engine.device)
+    peaks = watch.peaks()
+    memory = {'device_peak_bytes': peaks['device']} if 'device' in peaks else {}
     memory['host_peak_rss_bytes'] = host_peak_rss()
     timings.append(dict(prefill_s=result.prefill_s, decode_s=result.decode_s, **memory))
   return timings
