@@ -140,7 +140,7 @@ class Engine:
         overhead=overhead or hardware.runtime_overhead(self.device.platform))
     self.sizes = self.planner.sizes
     self.steps = self.planner.steps(policy)
-    placing = self.planner.plan(policy, prompt_len=1, gen_len=1)
+    placing = self.planner.weights_plan(policy)
     placing.check(self.budgets)
     self.storage = Storage(self.device, self.budgets, capacities=_capacities(placing),
                            offload_dir=offload_dir, drop_page_cache=drop_page_cache)

@@ -599,6 +599,14 @@ class Planner:
     return ExecutionPlan(shape, tuple(buffers(shape, exact_shares(shape, totals), totals, xla,
                                               self.overhead)), xla)
 
+  def weights_plan(self, policy: Policy) -> ExecutionPlan:
+    """The plan's weight buffers alone (no step compiled): what placing the weights needs."""
+    shape = self.shape(policy, 1, 1)
+    totals = weight_totals(self.cfg, policy, self.sizes)
+    xla = dict.fromkeys(('prefill_step', 'decode_step', 'cpu_attention', 'load', 'place'), 0)
+    return ExecutionPlan(shape, tuple(buffers(shape, exact_shares(shape, totals), totals, xla,
+                                              self.overhead)), xla)
+
   def forms(self, policy: Policy, *, prompt_len: int, gen_len: int) -> dict[str, list[Linear]]:
     """The LP's memory constraints for `policy`'s batch geometry (placement left free), with
     XLA's bytes estimated; the plan of the rounded policy re-checks the result."""
