@@ -41,7 +41,7 @@ def offloaded_of(expected: np.ndarray, rows: dict) -> np.ndarray:
   return expected[rows['device']:]
 
 
-# ---- DiskArray -------------------------------------------------------------------------------------
+# ---- DiskArray -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize('drop_page_cache', [False, True])
@@ -118,7 +118,7 @@ def test_disk_array_of_zero_size(tmp_path, shape, dtype):
   assert array.read((slice(None), slice(0, 0))).shape == (shape[0], 0, *shape[2:])
 
 
-# ---- SplitArray ------------------------------------------------------------------------------------
+# ---- SplitArray ----------------------------------------------------------------------------------
 
 
 def make_split(storage, rows, shape=(4, 10, 6), dtype=np.float32, preallocate_device=False):
@@ -302,7 +302,7 @@ def test_split_array_accounts_its_rows_per_tier(tmp_path, rows):
     assert storage.peaks() == {tier: rows[tier] * row_bytes for tier in rows}
 
 
-# ---- Storage and budgets ---------------------------------------------------------------------------
+# ---- Storage and budgets -------------------------------------------------------------------------
 
 
 def test_offload_folder_lives_from_first_disk_array_to_close(tmp_path):
