@@ -381,10 +381,10 @@ class ExecutionPlan:
       where = 'RAM (device and host tiers together)' if tier == 'ram' else f'{tier} tier'
       top = sorted((b for b in self.buffers if b.tier == tier or tier == 'ram' and
                     b.tier in ('device', 'host')), key=lambda b: -b.total)[:3]
-      largest = ', '.join(f'{b.name} {_size(b.total)}' for b in top)
+      largest = ', '.join(f'{b.name} {format_bytes(b.total)}' for b in top)
       raise FlexjaxError(
-          f'policy {self.policy.describe()} needs {_size(peaks[tier])} on the {where} but '
-          f'{flag} allows {_size(budget)} (short by {_size(peaks[tier] - budget)}; largest: '
+          f'policy {self.policy.describe()} needs {format_bytes(peaks[tier])} on the {where} but '
+          f'{flag} allows {format_bytes(budget)} (short by {format_bytes(peaks[tier] - budget)}; largest: '
           f'{largest}); raise {flag}, or move weights/cache/hidden states to a lower tier or '
           'use smaller GPU batches')
 
@@ -393,9 +393,9 @@ class ExecutionPlan:
     lines = [f'{"buffer":<22} {"tier":<6} {"bytes":>12} x{"n":<2} phases']
     for buf in self.buffers:
       if buf.total:
-        lines.append(f'{buf.name:<22} {buf.tier:<6} {_size(buf.nbytes):>12} x{buf.count:<2} '
+        lines.append(f'{buf.name:<22} {buf.tier:<6} {format_bytes(buf.nbytes):>12} x{buf.count:<2} '
                      f'{",".join(buf.phases)}')
-    lines.append('peak: ' + ', '.join(f'{k} {_size(v)}' for k, v in self.peaks().items()))
+    lines.append('peak: ' + ', '.join(f'{k} {format_bytes(v)}' for k, v in self.peaks().items()))
     return '\n'.join(lines)
 
 
@@ -450,6 +450,12 @@ def memory_forms(shape: Shape, xla: dict[str, Any], overhead: Overhead) -> dict[
   return forms
 
 
+def _approximations(policy: Policy) -> tuple:
+  """The policy fields the step functions depend on (compression and sparsity)."""
+  return (policy.compress_weight, policy.compress_cache, policy.compress_bits,
+          policy.compress_group_size, policy.attn_sparsity)
+
+
 def _as_linear(value) -> Linear:
   return value if isinstance(value, Linear) else Linear(float(value))
 
@@ -474,7 +480,8 @@ def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
   return out
 
 
-def _size(nbytes) -> str:
+def format_bytes(nbytes) -> str:
+  """1536 -> '1.50 KiB'."""
   nbytes = float(nbytes)
   for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
     if abs(nbytes) >= scale:
@@ -529,8 +536,7 @@ class Planner:
   def steps(self, policy: Policy):
     """The jitted step functions for a policy's approximations (shared by equal ones)."""
     from flexjax.steps import Steps
-    key = (policy.compress_weight, policy.compress_cache, policy.compress_bits,
-           policy.compress_group_size, policy.attn_sparsity)
+    key = _approximations(policy)
     if key not in self._steps:
       self._steps[key] = Steps(self.cfg, policy, device=self.device, cpu=self.cpu,
                                **self.compile_dtypes)
@@ -551,9 +557,8 @@ class Planner:
       largest_tensor = max((slot.shape for stage in distinct_stages(self.cfg)
                             for slot in stage_layout(self.cfg, policy, self.sizes, stage)
                             if slot.packed), key=lambda shape: int(np.prod(shape)))
-    key = (policy.compress_weight, policy.compress_cache, policy.compress_bits,
-           policy.compress_group_size, policy.attn_sparsity, rows, device_rows, cpu_attention,
-           prompt_len, gen_len, temperature, top_p, totals.largest_load, largest_tensor)
+    key = (_approximations(policy), rows, device_rows, cpu_attention, prompt_len, gen_len,
+           temperature, top_p, totals.largest_load, largest_tensor)
     if key not in self._working:
       working = self.steps(policy).working_memory(
           params=param_specs(self.cfg, policy, self.sizes, self.compile_dtypes['compute_dtype']),
@@ -594,16 +599,15 @@ class Planner:
     XLA's bytes estimated (`xla`)."""
     xla = self.xla(policy, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
                    top_p=top_p, estimate=estimate)
-    shape = self.shape(policy, prompt_len, gen_len, return_logits=return_logits)
-    totals = weight_totals(self.cfg, policy, self.sizes)
-    return ExecutionPlan(shape, tuple(buffers(shape, exact_shares(shape, totals), totals, xla,
-                                              self.overhead)), xla)
+    return self._plan(self.shape(policy, prompt_len, gen_len, return_logits=return_logits), xla)
 
   def weights_plan(self, policy: Policy) -> ExecutionPlan:
     """The plan's weight buffers alone (no step compiled): what placing the weights needs."""
-    shape = self.shape(policy, 1, 1)
-    totals = weight_totals(self.cfg, policy, self.sizes)
     xla = dict.fromkeys(('prefill_step', 'decode_step', 'cpu_attention', 'load', 'place'), 0)
+    return self._plan(self.shape(policy, 1, 1), xla)
+
+  def _plan(self, shape: Shape, xla: dict[str, Any]) -> ExecutionPlan:
+    totals = weight_totals(self.cfg, shape.policy, self.sizes)
     return ExecutionPlan(shape, tuple(buffers(shape, exact_shares(shape, totals), totals, xla,
                                               self.overhead)), xla)
 

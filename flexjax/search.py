@@ -236,14 +236,7 @@ def _shortfall(planner, template, budgets, prompt_len, gen_len) -> str:
     if budgets.get(tier) is not None and plan.get(tier, 0) > budgets[tier]:
       flag = dict(device='gpu', host='cpu', ram='cpu', disk='disk')[tier]
       return (f'no policy fits: even one sequence with everything offloaded needs '
-              f'{_size(plan[tier])} on the {tier}, {_size(plan[tier] - budgets[tier])} more than '
-              f'its budget of {_size(budgets[tier])}; raise --{flag}_mem or shorten the '
+              f'{plan_lib.format_bytes(plan[tier])} on the {tier}, {plan_lib.format_bytes(plan[tier] - budgets[tier])} more than '
+              f'its budget of {plan_lib.format_bytes(budgets[tier])}; raise --{flag}_mem or shorten the '
               'sequences')
   return 'no policy fits the budgets and the latency limit; relax --max_block_seconds'
-
-
-def _size(nbytes: int) -> str:
-  for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
-    if nbytes >= scale:
-      return f'{nbytes / scale:.2f} {unit}'
-  return f'{nbytes} bytes'
