@@ -115,7 +115,7 @@ def _cli(argv, capsys):
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--gpu_mem=0.001'], 'budget is'),
+    (['--gpu_mem=0.001'], '--gpu_mem allows'),
     (['--projected_gen_len=8'], 'projected_gen_len=8'),
     (['--cases=block,fast'], "case='fast'"),
     (['--page_cache=cold'], "'cold'"),
