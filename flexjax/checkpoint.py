@@ -9,6 +9,7 @@ looks like a checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,12 +21,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from flexjax.config import ModelConfig, np_dtype
+from flexjax import stream as stream_lib
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
 
 FORMAT = 'flexjax-opt-v1'
 META_FILE = 'flexjax.json'
 TOKENIZER_DIR = 'tokenizer'
+STREAM_DIR = 'stream'  # streaming layouts of the weights (flexjax.stream), one per variant
 
 
 class CheckpointWriter:
@@ -119,6 +122,19 @@ class Checkpoint:
     for stage in params_lib.stage_names(self.config):
       _check_shapes(self.config, stage, self._stored_shapes(stage),
                     source=f'checkpoint {str(path)!r}')
+
+  def fingerprint(self) -> str:
+    """Changes when the checkpoint is written again (its metadata file is replaced last)."""
+    stat = (self.path / META_FILE).stat()
+    text = f'{self.path.absolute()}:{stat.st_mtime_ns}:{stat.st_size}:{stat.st_ino}'
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+  def stream_folder(self, cache_dir: Path) -> Path:
+    """Inside the checkpoint when it is writable (removed with it), else in the cache folder."""
+    inside = self.path / STREAM_DIR
+    if stream_lib.writable(inside):
+      return inside
+    return Path(cache_dir) / 'checkpoints' / f'{self.path.name}-{self.fingerprint()}'
 
   def _stored_shapes(self, stage: str) -> dict[tuple[str, ...], tuple[int, ...]]:
     stage_dir = self.path / stage

@@ -9,13 +9,15 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from flexjax import diskio
 from flexjax import hardware
+from flexjax import stream as stream_lib
 from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
 from flexjax.executor import Executor, new_batches
 from flexjax.mover import BREAKDOWN_PARTS, Clock, Mover
-from flexjax.placement import place_weights
+from flexjax.placement import open_layout, place_weights
 from flexjax.policy import Policy
 from flexjax.sampler import trim
 from flexjax.storage import Storage
@@ -58,12 +60,18 @@ class GenerationResult:
   peak_bytes: dict[str, int]  # per tier, drawn from the plan's buffers by the runtime
   planned_peak_bytes: dict[str, int]  # per tier (and 'ram' on a CPU backend), from the plan
   weight_loads: dict[str, int]  # per stage: times its weights were brought to the device
-  bytes_moved: dict[str, int]  # from host/disk tiers: weights, k_cache, v_cache
+  bytes_moved: dict[str, int]  # from host/disk tiers: weights, weights_disk, k_cache, v_cache
+  disk_weight_bytes: dict[str, int]  # weight bytes read from disk per phase (prefill, decode)
   logits: np.ndarray | None = None  # [num_prompts, gen_len, vocab] float32 when asked for
   # Without overlap: seconds per phase ('prefill', 'decode') and part of the work (BREAKDOWN_PARTS
   # and 'total'); None under overlap, where the parts run at the same time.
   breakdown: dict[str, dict[str, float]] | None = None
   plan: plan_lib.ExecutionPlan | None = None
+
+  @property
+  def decode_weight_stream(self) -> float:
+    """Bytes per second of weights read from disk during decode."""
+    return self.disk_weight_bytes['decode'] / self.decode_s if self.decode_s > 0 else 0.0
 
   @property
   def total_s(self) -> float:
@@ -117,7 +125,12 @@ class Engine:
     planner: a Planner for these weights and dtypes to reuse (its compiled steps included).
     offload_dir: parent of the run's offload folder (default: the system temp folder).
     drop_page_cache: drop offloaded files from the OS page cache after each access, so disk reads
-      are real reads (benchmarks).
+      are real reads (benchmarks). Weights on disk are read with O_DIRECT, which bypasses the
+      page cache anyway (where the filesystem refuses it, this drops them too).
+    weights_cache: where streaming layouts of dummy weights and of read-only checkpoints are
+      written (default: stream.default_cache_dir()).
+    io_threads: threads reading weights from disk.
+    progress: show a progress bar while a streaming layout is written.
   """
 
   def __init__(self, weights: WeightSource, *, policy: Policy = Policy(),
@@ -125,7 +138,8 @@ class Engine:
                device: jax.Device | None = None, budgets: dict[str, int | None] | None = None,
                overhead: plan_lib.Overhead | None = None,
                planner: plan_lib.Planner | None = None, offload_dir: str | None = None,
-               drop_page_cache: bool = False):
+               drop_page_cache: bool = False, weights_cache: str | None = None,
+               io_threads: int = 3, progress: bool = False):
     self.config: ModelConfig = weights.config
     self.policy = policy
     self.weight_dtype = weights.dtype
@@ -145,8 +159,14 @@ class Engine:
     self.storage = Storage(self.device, self.budgets, capacities=_capacities(placing),
                            offload_dir=offload_dir, drop_page_cache=drop_page_cache)
     self.stats = _new_stats(self.config)
+    self.reader = diskio.Reader(io_threads)
+    self.layout: stream_lib.StreamLayout | None = None
     try:
-      self._stages = place_weights(weights, policy, self.sizes, self.storage, self.steps)
+      if plan_lib.weight_totals(self.config, policy, self.sizes).placed['disk']:
+        self.layout = open_layout(weights, policy, self.steps, cache_dir=weights_cache,
+                                  drop_page_cache=drop_page_cache, progress=progress)
+      self._stages = place_weights(weights, policy, self.sizes, self.storage, self.steps,
+                                   self.layout)
     except BaseException:
       self.close()
       raise
@@ -158,8 +178,11 @@ class Engine:
     self.close()
 
   def close(self) -> None:
-    """Removes the offload folder."""
+    """Removes the offload folder; closes the weight files."""
     self.storage.close()
+    self.reader.close()
+    if self.layout is not None:
+      self.layout.close()
 
   def plan(self, prompt_len: int, gen: 'GenerationConfig', *, policy: Policy | None = None,
            return_logits: bool = False) -> plan_lib.ExecutionPlan:
@@ -239,6 +262,7 @@ class Engine:
         prefill_s=prefill_s, decode_s=decode_s, peak_bytes=self.storage.peaks(),
         planned_peak_bytes=plan.peaks(), weight_loads=dict(self.stats['weight_loads']),
         bytes_moved=dict(self.stats['bytes_moved']),
+        disk_weight_bytes=dict(self.stats['disk_weights_by_phase']),
         logits=np.concatenate(logits)[:n] if return_logits else None,
         breakdown=_breakdown(clock, prefill_s, decode_s), plan=plan)
 
@@ -256,7 +280,8 @@ class Engine:
   def _run_block(self, policy: Policy, tokens, mask, real_rows, gen, block_index, *, max_steps,
                  return_logits, forced, clock: Clock) -> dict:
     """Runs one block through the schedule. Returns its tokens, logits, timings."""
-    mover = Mover(self.storage, self.steps, self._stages, policy, clock=clock, stats=self.stats,
+    mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
+                  clock=clock, stats=self.stats,
                   stage_names=plan_lib.stage_names(self.config),
                   device_is_host=self.planner.device_is_host)
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
@@ -289,7 +314,8 @@ class Engine:
     mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
     self._check_length(tokens.shape[1])
     self.stats = _new_stats(self.config)
-    mover = Mover(self.storage, self.steps, self._stages, self.policy, clock=Clock(False),
+    mover = Mover(self.storage, self.steps, self._stages, self.policy, reader=self.reader,
+                  clock=Clock(False),
                   stats=self.stats, stage_names=plan_lib.stage_names(self.config),
                   device_is_host=self.planner.device_is_host)
     put = lambda a: jax.device_put(np.array(a, copy=True), self.device)
@@ -322,7 +348,8 @@ def _capacities(plan: plan_lib.ExecutionPlan) -> dict[str, int]:
 
 def _new_stats(cfg: ModelConfig) -> dict:
   return {'weight_loads': {name: 0 for name in plan_lib.stage_names(cfg)},
-          'bytes_moved': {'weights': 0, 'k_cache': 0, 'v_cache': 0}}
+          'bytes_moved': {'weights': 0, 'weights_disk': 0, 'k_cache': 0, 'v_cache': 0},
+          'disk_weights_by_phase': {'prefill': 0, 'decode': 0}}
 
 
 def _breakdown(clock: Clock, prefill_s: float, decode_s: float):

@@ -80,6 +80,18 @@ def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps
   return batches
 
 
+def next_stages(steps: list[Step], n: int, count: int) -> list[int]:
+  """The stages of the next `count` stage changes after step n (the weights to load next)."""
+  out, current = [], steps[n].stage
+  for step in steps[n + 1:]:
+    if step.stage != current:
+      out.append(step.stage)
+      current = step.stage
+      if len(out) == count:
+        break
+  return out
+
+
 class Executor:
   """Runs blocks through the schedule: load j+1 / compute j / store j-1.
 
@@ -119,10 +131,12 @@ class Executor:
             future = weights.pop(step.stage, None) or mover.workers['weights'].submit(
                 mover.load_weights, step.stage)
             current = clock.ready(future.result())
-          upcoming = next((s for s in steps[n + 1:] if s.stage != step.stage), None)
-          if overlap and upcoming is not None:
-            weights[upcoming.stage] = mover.workers['weights'].submit(
-                mover.load_weights, upcoming.stage, previous_stage_out)
+          upcoming = next_stages(steps, n, 2)
+          if overlap and upcoming:
+            weights[upcoming[0]] = mover.workers['weights'].submit(
+                mover.load_weights, upcoming[0], previous_stage_out)
+            if len(upcoming) > 1:
+              mover.read_ahead(upcoming[1])
         future = inputs.pop(step, None) or mover.workers['load'].submit(
             mover.load_inputs, step, batch)
         loaded = future.result()

@@ -74,6 +74,11 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                        'unlimited).', **f)
   flags.DEFINE_bool('drop_page_cache', False, 'Drop offloaded files from the OS page cache after '
                     'each access, so disk reads are real (benchmarks).', **f)
+  flags.DEFINE_string('weights_cache', None, 'Folder for the streaming weight layouts of dummy '
+                      'weights and read-only checkpoints (default: $FLEXJAX_CACHE, else '
+                      '~/.cache/flexjax).', **f)
+  flags.DEFINE_integer('io_threads', 3, 'Threads reading weights from disk.', lower_bound=1,
+                       upper_bound=16, **f)
   flags.DEFINE_bool('compress_weight', False, 'Store weight matrices quantized (group-wise).',
                     **f)
   flags.DEFINE_bool('compress_cache', False, 'Store the KV cache quantized (group-wise).', **f)
@@ -123,7 +128,7 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds,
       max_block_size=fv.max_block_size, dry_run=fv.dry_run,
       budgets=budgets, offload_dir=fv.offload_dir, drop_page_cache=fv.drop_page_cache,
-      output=fv.output, warmup=fv.warmup)
+      weights_cache=fv.weights_cache, io_threads=fv.io_threads, output=fv.output, warmup=fv.warmup)
 
 
 def quiet_library_logs(fv: flags.FlagValues = flags.FLAGS) -> None:

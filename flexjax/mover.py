@@ -6,12 +6,15 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flexjax import diskio
 from flexjax import quant as quant_lib
 from flexjax.model import params as params_lib
 from flexjax.placement import Placed
@@ -59,6 +62,14 @@ class Clock:
     return tree
 
 
+@dataclasses.dataclass
+class _StageRead:
+  """A stage's disk-tier tensors being read into staging: path -> (view, chunk futures)."""
+
+  nbytes: int
+  parts: dict
+
+
 class _Inline:
   """Runs submitted work at once on the caller's thread (the no-overlap executor)."""
 
@@ -80,11 +91,15 @@ class Mover:
   """
 
   def __init__(self, storage: Storage, steps: Steps, stages: list[Placed], policy: Policy, *,
-               clock: Clock, stats: dict, stage_names: list[str], device_is_host: bool):
+               reader: diskio.Reader, clock: Clock, stats: dict, stage_names: list[str],
+               device_is_host: bool):
     self.storage, self.steps, self.stages = storage, steps, stages
     self.policy, self.clock, self.stats = policy, clock, stats
     self.stage_names = stage_names
     self.device_is_host = device_is_host
+    self.reader = reader
+    self._reads: dict[int, _StageRead | None] = {}  # stage -> its disk reads under way
+    self._reads_lock = threading.Lock()
     self.workers: dict = {}
     self._pending_stores: collections.deque = collections.deque()  # per step: write futures
 
@@ -99,28 +114,66 @@ class Mover:
     for worker in self.workers.values():
       worker.shutdown(wait=True, cancel_futures=True)
     self.workers = {}
+    with self._reads_lock:
+      for read in self._reads.values():
+        self._finish_read(read)
+      self._reads = {}
     self._pending_stores.clear()
 
   # ---- weights ----------------------------------------------------------------------------------
+  def read_ahead(self, index: int) -> None:
+    """Starts the disk reads of a stage's weights now (the stage after the one loading next),
+    so the disk stays busy while stages are cast and computed."""
+    with self._reads_lock:
+      if index not in self._reads:
+        self._reads[index] = self._start_reads(index)
+
+  def _start_reads(self, index: int) -> '_StageRead | None':
+    """The stage's disk-tier tensors read into one aligned staging buffer by the I/O threads."""
+    tensors = [(path, value.data if isinstance(value, quant_lib.Packed) else value)
+               for path, (tier, value) in self.stages[index].items() if tier == 'disk']
+    if not tensors:
+      return None
+    nbytes = sum(t.padded for _, t in tensors)
+    self.storage.reserve('host', nbytes, 'weights.staging')
+    buffer = diskio.aligned_buffer(nbytes)
+    parts, offset = {}, 0
+    for path, t in tensors:
+      part = buffer[offset:offset + t.padded]
+      parts[path] = (t.view(part), self.reader.read(t.file, t.offset, part))
+      offset += t.padded
+    return _StageRead(nbytes, parts)
+
+  def _finish_read(self, read: '_StageRead | None') -> None:
+    if read is not None:
+      for _, futures in read.parts.values():
+        concurrent.futures.wait(futures)
+      self.storage.free('host', read.nbytes, 'weights.staging')
+
   def load_weights(self, index: int, after=None):
     """Brings a stage's weights to the device once `after` (the previous stage's last outputs)
-    exist, so at most two stages' loaded weights are alive. Returns (params, bytes held)."""
-    if after is not None:
-      jax.block_until_ready(after)
+    exist, so at most two stages' loaded weights are alive; its disk reads start before that
+    wait. Returns (params, bytes held)."""
+    with self._reads_lock:
+      read = self._reads.pop(index) if index in self._reads else self._start_reads(index)
     tree, loaded = {}, 0
     try:
+      if after is not None:
+        jax.block_until_ready(after)
       for path, (tier, value) in self.stages[index].items():
         if tier == 'device':
           tree[path] = value
           continue
-        loaded += self._load_tensor(path, tier, value, tree)
+        loaded += self._load_tensor(path, tier, value, tree, read)
     except BaseException:
       self.storage.free('device', loaded, 'weights.loaded')
       raise
+    finally:
+      self._finish_read(read)
     self.stats['weight_loads'][self.stage_names[index]] += 1
     return params_lib.unflatten(tree), loaded
 
-  def _load_tensor(self, path, tier: str, value, tree: dict) -> int:
+  def _load_tensor(self, path, tier: str, value, tree: dict, read: '_StageRead | None') -> int:
     """One non-resident tensor to the device, cast (or dequantized) there; waits for it, so only
     one tensor is in flight. Returns the device bytes it holds."""
     packed = isinstance(value, quant_lib.Packed)
@@ -129,21 +182,22 @@ class Mover:
     nbytes = int(np.prod(shape)) * self.steps.compute.itemsize
     self.storage.reserve('device', nbytes, 'weights.loaded')
     try:
-      staged = stored.nbytes if tier == 'disk' else 0
-      self.storage.reserve('host', staged, 'weights.staging')
+      if tier == 'disk':
+        host, futures = read.parts[path]
+        diskio.wait(futures)
+        self.stats['bytes_moved']['weights_disk'] += stored.nbytes
+        self.stats['disk_weights_by_phase'][self.clock.phase] += stored.nbytes
+      else:
+        host = stored
+      self.storage.reserve('device', stored.nbytes, 'weights.transfer')
       try:
-        host = stored.read() if tier == 'disk' else stored
-        self.storage.reserve('device', stored.nbytes, 'weights.transfer')
-        try:
-          moved = jax.device_put(host, self.storage.device)
-          finish = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
-                    if packed else self.steps.cast(moved))
-          tree[path] = finish.block_until_ready()
-          del moved, host
-        finally:
-          self.storage.free('device', stored.nbytes, 'weights.transfer')
+        moved = jax.device_put(host, self.storage.device)
+        finish = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
+                  if packed else self.steps.cast(moved))
+        tree[path] = finish.block_until_ready()
+        del moved, host
       finally:
-        self.storage.free('host', staged, 'weights.staging')
+        self.storage.free('device', stored.nbytes, 'weights.transfer')
     except BaseException:
       self.storage.free('device', nbytes, 'weights.loaded')
       raise

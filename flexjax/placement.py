@@ -1,5 +1,6 @@
-"""Placement: reads every stage's weights from their source once and puts each tensor on the
-tier the plan's weight layout names (device, host RAM or a disk file)."""
+"""Placement: puts each tensor on the tier the plan's weight layout names (device, host RAM or
+disk). Disk-tier tensors stay where the streaming layout (stream.py) holds them: placing them
+copies nothing."""
 
 from __future__ import annotations
 
@@ -8,36 +9,75 @@ import numpy as np
 
 from flexjax import plan as plan_lib
 from flexjax import quant as quant_lib
+from flexjax import stream as stream_lib
 from flexjax.model import params as params_lib
 from flexjax.policy import Policy
 from flexjax.steps import Steps
 from flexjax.storage import Storage
 from flexjax.weights import WeightSource
 
-# A placed tensor: (tier, value) where value is a device array, a host array, a DiskArray, or a
-# quant.Packed around one of them.
+# A placed tensor: (tier, value) where value is a device array, a host array, a
+# stream.StreamTensor (disk), or a quant.Packed around one of them.
 Placed = dict[plan_lib.Path, tuple]
 
 
+def layout_variant(source: WeightSource, policy: Policy) -> str:
+  """The streaming layout a policy reads: the stored dtype, int4-packed matrices when
+  compress_weight."""
+  if policy.compress_weight:
+    return f'{source.dtype}-q{policy.quant.bits}g{policy.quant.group_size}'
+  return source.dtype
+
+
+def open_layout(source: WeightSource, policy: Policy, steps: Steps, *, cache_dir,
+                drop_page_cache: bool, progress: bool) -> stream_lib.StreamLayout:
+  """The source's streaming layout for this policy, written first if missing."""
+  quant = policy.quant
+  return stream_lib.ensure_layout(
+      source, packs=lambda shape: plan_lib.compressed(policy, shape),
+      pack=lambda array: np.asarray(steps.quantize(jax.device_put(array, steps.cpu))),
+      packed_shape=lambda shape: (*shape[:-1], quant.row_bytes(shape[-1])),
+      variant=layout_variant(source, policy), cache_dir=cache_dir,
+      drop_page_cache=drop_page_cache, progress=progress)
+
+
 def place_weights(source: WeightSource, policy: Policy, sizes: plan_lib.Itemsizes,
-                  storage: Storage, steps: Steps) -> list[Placed]:
-  """Every compute stage's tensors on their tiers, in model order."""
+                  storage: Storage, steps: Steps,
+                  layout: stream_lib.StreamLayout | None = None) -> list[Placed]:
+  """Every compute stage's tensors on their tiers, in model order. With a layout, every tensor
+  is read from it (disk-tier ones are only referenced); without one, from the source (then the
+  policy may put nothing on disk)."""
   cfg = source.config
-  tokens = params_lib.flatten(source.read('tokens'))  # read once, used by two stages
-  return [_place_stage(source, stage, tokens, policy, sizes, storage, steps)
-          for stage in plan_lib.stage_names(cfg)]
+  tokens = {} if layout else params_lib.flatten(source.read('tokens'))  # read once, used twice
+  placed = []
+  for stage in plan_lib.stage_names(cfg):
+    if layout is None:
+      host = params_lib.flatten(source.read(stage))
+      host.update(tokens if stage in ('embed', 'head') else {})
+      fetch = host.pop
+    else:
+      fetch = lambda path, stage=stage: layout.tensor(stage, path)
+    placed.append(_place_stage(cfg, stage, fetch, policy, sizes, storage, steps))
+  return placed
 
 
-def _place_stage(source, stage: str, tokens: dict, policy: Policy, sizes, storage: Storage,
+def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage,
                  steps: Steps) -> Placed:
-  host = params_lib.flatten(source.read(stage))
-  if stage in ('embed', 'head'):
-    host.update(tokens)
   placed = {}
-  for slot in plan_lib.stage_layout(source.config, policy, sizes, stage):
-    array = np.asarray(host.pop(slot.path))
-    if slot.packed:  # quantized once, on the CPU backend; kept and moved as byte rows
-      array = np.asarray(steps.quantize(jax.device_put(array, steps.cpu)))
+  for slot in plan_lib.stage_layout(cfg, policy, sizes, stage):
+    found = fetch(slot.path)
+    if isinstance(found, stream_lib.StreamTensor):
+      if slot.tier == 'disk':
+        value = found
+        array = None
+      else:
+        array = found.read()
+    else:
+      if slot.tier == 'disk':
+        raise ValueError('disk-tier weights need a streaming layout')
+      array = np.asarray(found)
+      if slot.packed:  # quantized once, on the CPU backend; kept and moved as byte rows
+        array = np.asarray(steps.quantize(jax.device_put(array, steps.cpu)))
     if slot.tier == 'device':
       storage.reserve('device', slot.resident, 'weights.resident')
       value = jax.device_put(array, storage.device)
@@ -48,8 +88,7 @@ def _place_stage(source, stage: str, tokens: dict, policy: Policy, sizes, storag
       value = storage.host_array(array.shape, array.dtype, 'weights.host')
       value[...] = array
     else:
-      value = storage.disk_array(array.shape, array.dtype, 'weights.disk')
-      value.write(..., array)
+      storage.reserve('disk', found.nbytes, 'weights.disk')
     placed[slot.path] = (slot.tier, quant_lib.Packed(value, slot.shape[-1], policy.quant)
                          if slot.packed else value)
   return placed

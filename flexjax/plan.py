@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from flexjax.config import ModelConfig, np_dtype
+from flexjax.diskio import align_up
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
 from flexjax.policy import Policy, assign_weight_tiers
@@ -151,7 +152,7 @@ class WeightTotals:
   stored: dict[str, int]  # stored bytes per tier (the placement's realised shares)
   loaded_max: int  # the largest stage's non-resident tensors once loaded
   transfer_max: int  # the largest non-resident tensor as stored (in flight to the device)
-  disk_tensor_max: int  # the largest disk tensor (staged in host RAM while read)
+  disk_stage_max: int  # the largest stage's disk tensors, 4 KiB-aligned (read into staging)
   stage_max: int  # the largest stage as stored, token embedding aside (read while placing)
   resident_transfer_max: int  # the largest device-resident tensor as stored (put, then cast)
   tensor_max: int  # the largest tensor but the tokens' (float32 while dummy weights are drawn)
@@ -177,11 +178,10 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
           largest_loaded = slot.loaded
           largest_load = ((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
                           slot.shape[-1]) if slot.packed else (slot.shape, None)
-      if slot.tier == 'disk':
-        disk_max = max(disk_max, slot.stored)
       if slot.tier == 'device':
         resident_max = max(resident_max, slot.stored)
     loaded_max = max(loaded_max, sum(s.loaded for s in layout if s.tier != 'device'))
+    disk_max = max(disk_max, sum(align_up(s.stored) for s in layout if s.tier == 'disk'))
     stage_max = max(stage_max, sum(int(np.prod(s.shape)) * sizes.storage for s in layout
                                    if s.path != ('tokens',)))
   tokens = int(np.prod(cfg.tokens_shape())) * sizes.storage
@@ -240,7 +240,7 @@ class Shares:
   weights: dict[str, Any]  # tier -> placed bytes
   loaded: Any  # the largest stage's loaded (non-resident) bytes
   transfer: Any  # the largest non-resident tensor as stored
-  disk_staging: Any  # the largest disk tensor
+  disk_staging: Any  # the largest stage's disk tensors as read (aligned)
   cache_rows: dict[str, Any]  # tier -> rows of a GPU batch
   act_rows: dict[str, Any]
   act_partial: Any  # 1 when the hidden states are split between the device and elsewhere
@@ -288,8 +288,8 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
              'non-resident weights of a stage, loaded'),
       Buffer('weights.transfer', 'device', shares.transfer, 1, RUN,
              'a weight tensor in flight, before its cast'),
-      Buffer('weights.staging', 'host', shares.disk_staging, 1, RUN,
-             'a disk weight tensor read into RAM'),
+      Buffer('weights.staging', 'host', shares.disk_staging, stages_alive, RUN,
+             "a stage's disk weights read into RAM (the next one read ahead under overlap)"),
       Buffer('xla.load', 'device', xla['load'], 1, RUN, 'cast / dequantize of a loaded tensor'),
       Buffer('cache.device', 'device', L * g * kv_seq * cr['device'], 1, RUN,
              'KV cache rows on the device'),
@@ -403,7 +403,7 @@ def exact_shares(shape: Shape, totals: WeightTotals) -> Shares:
   policy = shape.policy
   act = policy.rows('act')
   return Shares(weights=totals.placed, loaded=totals.loaded_max, transfer=totals.transfer_max,
-                disk_staging=totals.disk_tensor_max, cache_rows=policy.rows('cache'),
+                disk_staging=totals.disk_stage_max, cache_rows=policy.rows('cache'),
                 act_rows=act,
                 act_partial=int(act['device'] > 0 and act['device'] < policy.gpu_batch_size))
 
@@ -438,7 +438,8 @@ def memory_forms(shape: Shape, xla: dict[str, Any], overhead: Overhead) -> dict[
                'disk': term(wd=stored_all)},
       loaded=term(wc=totals.loaded_max, wd=totals.loaded_max),
       transfer=term(wc=totals.transfer_max, wd=totals.transfer_max),
-      disk_staging=term(wd=totals.transfer_max),
+      disk_staging=term(wd=weight_totals(cfg, dataclasses.replace(
+          policy, w_gpu_percent=0, w_cpu_percent=0), sizes).disk_stage_max),
       cache_rows=rows('c'), act_rows=rows('h'),
       act_partial=term(hc=1, hd=1))
   bufs = buffers(shape, shares, totals, xla, overhead)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ class RunConfig:
   budgets: dict[str, int | None] | None = None  # bytes per tier; None: unlimited
   offload_dir: str | None = None
   drop_page_cache: bool = False
+  weights_cache: str | None = None  # streaming layouts of dummy / read-only weights
+  io_threads: int = 3  # threads reading weights from disk
   output: str | None = None
   warmup: bool = True
 
@@ -244,7 +247,9 @@ def run(rc: RunConfig) -> dict[str, Any]:
     texts = [None] * len(prompts)
   with Engine(source, policy=policy, compute_dtype=rc.compute_dtype,
               cache_dtype=rc.cache_dtype, device=device, budgets=budgets, planner=planner,
-              offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache) as engine:
+              offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
+              weights_cache=rc.weights_cache, io_threads=rc.io_threads,
+              progress=sys.stderr.isatty()) as engine:
     result = engine.generate(prompts, rc.generation, warmup=rc.warmup)
   measured = watch.peaks()
   if rc.output:
@@ -303,6 +308,11 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult,
          for tier, value in result.planned_peak_bytes.items()},
       **measured_fields,
       'runtime_counted_peak_bytes': result.peak_bytes,
+      'disk_weight_bytes': result.disk_weight_bytes,
+      'decode_weight_stream_gbps': round(result.decode_weight_stream / 1e9, 3),
+      'weight_layout': (None if engine.layout is None else
+                        {'folder': str(engine.layout.folder),
+                         'reads': 'O_DIRECT' if engine.layout.direct else 'buffered'}),
   }
 
 

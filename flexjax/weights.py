@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Protocol
 
 from flexjax.config import ModelConfig, np_dtype
@@ -17,6 +20,14 @@ class WeightSource(Protocol):
   def read(self, stage: str) -> params_lib.HostParams:
     ...
 
+  def stream_folder(self, cache_dir: Path) -> Path:
+    """The folder holding this source's streaming layouts (stream.py), one per variant."""
+    ...
+
+  def fingerprint(self) -> str:
+    """Changes whenever the weights do (a layout written for another fingerprint is stale)."""
+    ...
+
 
 class DummyWeights:
   """Random but deterministic weights for benchmarks, created stage by stage on demand."""
@@ -29,3 +40,12 @@ class DummyWeights:
 
   def read(self, stage: str) -> params_lib.HostParams:
     return params_lib.dummy_stage(self.config, stage, self._np_dtype, self._seed)
+
+  def fingerprint(self) -> str:
+    text = json.dumps({'model': self.config.to_dict(), 'dtype': self.dtype, 'seed': self._seed},
+                      sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+  def stream_folder(self, cache_dir: Path) -> Path:
+    """Per shape, dtype and seed under the cache folder: written on first use, then reused."""
+    return Path(cache_dir) / 'dummy' / f'{self.config.name}-{self.fingerprint()}'

@@ -101,3 +101,13 @@ PROMPTS = [[2, 17, 400, 33, 9, 250, 71], [2, 5, 6], [2, 900, 11, 12, 13], [2, 44
 def hf_logits(model, ids, mask) -> np.ndarray:
   with torch.no_grad():
     return model(input_ids=ids, attention_mask=mask).logits.numpy()
+
+
+@pytest.fixture(autouse=True, scope='session')
+def weights_cache(tmp_path_factory):
+  """Streaming layouts of dummy weights go to a folder of the test session (also for the
+  processes tests start), not the user's cache."""
+  patch = pytest.MonkeyPatch()
+  patch.setenv('FLEXJAX_CACHE', str(tmp_path_factory.mktemp('weights-cache')))
+  yield
+  patch.undo()

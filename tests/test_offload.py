@@ -121,20 +121,24 @@ def test_too_small_budget_is_refused_before_allocating(pre_ln, tmp_path):
     assert engine.storage.peaks() == before
 
 
-def test_offload_dir_is_removed_after_an_exception(pre_ln, tmp_path):
-  policy = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0)
-  with pytest.raises(FlexjaxError, match='positions'):
-    with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, offload_dir=str(tmp_path)) as engine:
-      assert len(list(tmp_path.iterdir())) == 1  # the run folder with the weights
-      engine.generate([[2] * 60], GenerationConfig(gen_len=10))
-  assert list(tmp_path.iterdir()) == []
+def test_disk_weights_are_read_in_place_and_the_offload_dir_is_removed(pre_ln, tmp_path):
+  policy = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0,
+                  cache_cpu_percent=0)
+  offload = tmp_path / 'offload'
+  with pytest.raises(RuntimeError, match='stop here'):
+    with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, offload_dir=str(offload)) as engine:
+      assert not offload.exists()  # placing disk weights copies nothing
+      engine.generate(PROMPTS, GenerationConfig(gen_len=3))
+      assert len(list(offload.iterdir())) == 1  # the run folder with the KV cache files
+      raise RuntimeError('stop here')
+  assert list(offload.iterdir()) == []
 
 
 def test_offload_dir_is_removed_after_sigint(tmp_path):
   offload = tmp_path / 'offload'
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', FLEXJAX_CACHE=str(tmp_path / 'cache'))
   args = ['flexjax.main', '--model=opt-125m', '--w_gpu_percent=0', '--w_cpu_percent=0',
-          f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400', '--gpu_batch_size=2']
+          '--cache_gpu_percent=0', '--cache_cpu_percent=0', f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400', '--gpu_batch_size=2']
   # A shell's background jobs start with SIGINT ignored, which Python keeps: the child turns
   # Ctrl-C back into KeyboardInterrupt before running flexjax.main as `python -m` would.
   launch = ('import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); '

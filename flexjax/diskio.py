@@ -1,0 +1,124 @@
+"""The disk reader/writer of the mover: files opened once (O_DIRECT where the filesystem allows
+it), aligned reads in large chunks spread over a few I/O threads, and space reserved up front."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+
+from flexjax.errors import FlexjaxError
+
+BLOCK = 4096  # alignment of offsets, lengths and buffers for direct I/O
+CHUNK = 8 << 20  # bytes per read request: large enough for full-speed sequential reads
+
+
+def align_up(nbytes: int, alignment: int = BLOCK) -> int:
+  return -(-nbytes // alignment) * alignment
+
+
+def aligned_buffer(nbytes: int, alignment: int = BLOCK) -> np.ndarray:
+  """An uninitialised uint8 buffer of `nbytes` starting on an `alignment`-byte boundary."""
+  raw = np.empty(nbytes + alignment, np.uint8)
+  offset = -raw.ctypes.data % alignment
+  return raw[offset:offset + nbytes]
+
+
+class DiskFile:
+  """One file, opened once for the run: O_DIRECT where the filesystem accepts it (`direct`),
+  else buffered (then `drop_page_cache` drops what was read from the page cache)."""
+
+  def __init__(self, path: str | os.PathLike, *, writable: bool = False,
+               drop_page_cache: bool = False):
+    self.path = Path(path)
+    mode = os.O_RDWR if writable else os.O_RDONLY
+    self.direct = True
+    try:
+      self.fd = os.open(self.path, mode | getattr(os, 'O_DIRECT', 0))
+      self.direct = hasattr(os, 'O_DIRECT')
+    except OSError as e:
+      if e.errno != errno.EINVAL:  # EINVAL: the filesystem refuses direct I/O (e.g. tmpfs)
+        raise FlexjaxError(f'cannot open {str(self.path)!r} ({e.strerror}); check that it exists '
+                           'and is readable') from None
+      self.fd = os.open(self.path, mode)
+      self.direct = False
+    self.drop_page_cache = drop_page_cache and not self.direct
+
+  def read_into(self, view: memoryview, offset: int) -> None:
+    """Fills `view` from byte `offset`. Direct reads need an aligned offset, length and buffer;
+    a filesystem refusing one mid-run (EINVAL) is retried buffered on a second handle."""
+    while len(view):
+      try:
+        n = os.preadv(self.fd, [view], offset)
+      except OSError as e:
+        if e.errno != errno.EINVAL or not self.direct:
+          raise FlexjaxError(f'read of {str(self.path)!r} at byte {offset} failed '
+                             f'({e.strerror})') from None
+        self._reopen_buffered()
+        continue
+      if n <= 0:
+        raise FlexjaxError(f'short read at byte {offset} of {str(self.path)!r}; the file was '
+                           'changed or truncated by another process')
+      view, offset = view[n:], offset + n
+    if self.drop_page_cache:
+      os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+  def _reopen_buffered(self) -> None:
+    fd = os.open(self.path, os.O_RDONLY)
+    os.close(self.fd)
+    self.fd, self.direct = fd, False
+
+  def close(self) -> None:
+    if self.fd is not None:
+      os.close(self.fd)
+      self.fd = None
+
+
+def reserve_file(path: Path, nbytes: int, *, what: str, fix: str) -> int:
+  """Creates `path` with `nbytes` reserved on disk (posix_fallocate); returns its fd (O_RDWR).
+  A full disk is a one-line error naming the folder and the bytes, before anything is written."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+  if nbytes:
+    try:
+      os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+      os.close(fd)
+      path.unlink(missing_ok=True)
+      raise FlexjaxError(f'cannot reserve {nbytes:,} bytes for {what} in {str(path.parent)!r} '
+                         f'({e.strerror}); {fix}') from None
+  return fd
+
+
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+  while len(data):
+    n = os.pwritev(fd, [data], offset)
+    data, offset = data[n:], offset + n
+
+
+class Reader:
+  """A few I/O threads reading file ranges into host buffers, CHUNK bytes per request, so the
+  disk sees several large requests at once while the caller computes."""
+
+  def __init__(self, threads: int = 3, chunk: int = CHUNK):
+    if not 1 <= threads <= 16:
+      raise FlexjaxError(f'io_threads={threads} must be between 1 and 16')
+    self.chunk = chunk
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads, 'flexjax-io')
+
+  def read(self, file: DiskFile, offset: int, out: np.ndarray) -> list[concurrent.futures.Future]:
+    """Starts reading len(out) bytes from `offset` into `out` (uint8, C-contiguous). Returns
+    the futures of its chunks."""
+    view = memoryview(out).cast('B')
+    return [self._pool.submit(file.read_into, view[start:start + self.chunk], offset + start)
+            for start in range(0, len(view), self.chunk)]
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+def wait(futures: list[concurrent.futures.Future]) -> None:
+  for future in futures:
+    future.result()
