@@ -77,9 +77,11 @@ class DiskFile:
       self.fd = None
 
 
-def reserve_file(path: Path, nbytes: int, *, what: str, fix: str) -> int:
+def reserve_file(path: Path, nbytes: int, *, what: str, fix: str,
+                 where: Path | None = None) -> int:
   """Creates `path` with `nbytes` reserved on disk (posix_fallocate); returns its fd (O_RDWR).
-  A full disk is a one-line error naming the folder and the bytes, before anything is written."""
+  A full disk is a one-line error naming the folder (`where`, default the file's) and the bytes,
+  before anything is written."""
   fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
   if nbytes:
     try:
@@ -87,8 +89,8 @@ def reserve_file(path: Path, nbytes: int, *, what: str, fix: str) -> int:
     except OSError as e:
       os.close(fd)
       path.unlink(missing_ok=True)
-      raise FlexjaxError(f'cannot reserve {nbytes:,} bytes for {what} in {str(path.parent)!r} '
-                         f'({e.strerror}); {fix}') from None
+      raise FlexjaxError(f'cannot reserve {nbytes:,} bytes for {what} in '
+                         f'{str(where or path.parent)!r} ({e.strerror}); {fix}') from None
   return fd
 
 

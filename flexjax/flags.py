@@ -10,7 +10,7 @@ from absl import logging as absl_logging
 from flexjax.config import DTYPES, PRESETS
 from flexjax.engine import GenerationConfig
 from flexjax.errors import FlexjaxError
-from flexjax.policy import Policy
+from flexjax.policy import PLACEMENTS, Policy
 from flexjax.run import RunConfig
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
@@ -86,6 +86,10 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer('compress_group_size', 64, 'Values per quantization group.', **f)
   flags.DEFINE_float('attn_sparsity', 1.0, 'Fraction of cached positions decode attention keeps '
                      '(top scores); 1 is dense.', **f)
+  flags.DEFINE_enum('placement', 'exact', list(PLACEMENTS), 'How weight percents become tiers: '
+                    'exact (each share met to a row; a straddling tensor is split by rows) or '
+                    'flexgen (FlexGen\'s rule: whole tensors by their midpoints, per attention '
+                    'and MLP, disk first).', **f)
 
 
 def policy_from_flags(fv: flags.FlagValues = flags.FLAGS) -> Policy:

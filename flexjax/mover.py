@@ -130,17 +130,17 @@ class Mover:
 
   def _start_reads(self, index: int) -> '_StageRead | None':
     """The stage's disk-tier tensors read into one aligned staging buffer by the I/O threads."""
-    tensors = [(path, value.data if isinstance(value, quant_lib.Packed) else value)
-               for path, (tier, value) in self.stages[index].items() if tier == 'disk']
+    tensors = [(slot, value.data if isinstance(value, quant_lib.Packed) else value)
+               for slot, value in self.stages[index] if slot.tier == 'disk']
     if not tensors:
       return None
     nbytes = sum(t.padded for _, t in tensors)
     self.storage.reserve('host', nbytes, 'weights.staging')
     buffer = diskio.aligned_buffer(nbytes)
     parts, offset = {}, 0
-    for path, t in tensors:
+    for slot, t in tensors:
       part = buffer[offset:offset + t.padded]
-      parts[path] = (t.view(part), self.reader.read(t.file, t.offset, part))
+      parts[slot] = (t.view(part), self.reader.read(t.file, t.start, part))
       offset += t.padded
     return _StageRead(nbytes, parts)
 
@@ -153,18 +153,20 @@ class Mover:
   def load_weights(self, index: int, after=None):
     """Brings a stage's weights to the device once `after` (the previous stage's last outputs)
     exist, so at most two stages' loaded weights are alive; its disk reads start before that
-    wait. Returns (params, bytes held)."""
+    wait. A tensor split across tiers is joined on the device. Returns (params, bytes held)."""
     with self._reads_lock:
       read = self._reads.pop(index) if index in self._reads else self._start_reads(index)
-    tree, loaded = {}, 0
+    parts: dict = {}  # path -> [(slot, device value)] in row order
+    loaded = 0
     try:
       if after is not None:
         jax.block_until_ready(after)
-      for path, (tier, value) in self.stages[index].items():
-        if tier == 'device':
-          tree[path] = value
-          continue
-        loaded += self._load_tensor(path, tier, value, tree, read)
+      for slot, value in self.stages[index]:
+        if slot.tier != 'device':
+          loaded += self._reserve_loaded(slot.loaded + slot.join)
+          value = self._load_tensor(slot, value, read)
+        parts.setdefault(slot.path, []).append((slot, value))
+      tree = {path: self._join(pieces) for path, pieces in parts.items()}
     except BaseException:
       self.storage.free('device', loaded, 'weights.loaded')
       raise
@@ -173,36 +175,41 @@ class Mover:
     self.stats['weight_loads'][self.stage_names[index]] += 1
     return params_lib.unflatten(tree), loaded
 
-  def _load_tensor(self, path, tier: str, value, tree: dict, read: '_StageRead | None') -> int:
-    """One non-resident tensor to the device, cast (or dequantized) there; waits for it, so only
-    one tensor is in flight. Returns the device bytes it holds."""
+  def _reserve_loaded(self, nbytes: int) -> int:
+    self.storage.reserve('device', nbytes, 'weights.loaded')
+    return nbytes
+
+  def _join(self, pieces: list) -> object:
+    """A tensor from its parts (rows on different tiers), in the compute dtype."""
+    if len(pieces) == 1:
+      return pieces[0][1]
+    values = [self.steps.dequantize(v) if isinstance(v, quant_lib.Packed) else v
+              for _, v in pieces]
+    return jnp.concatenate(values, axis=0).block_until_ready()
+
+  def _load_tensor(self, slot, value, read: '_StageRead | None') -> jax.Array:
+    """One non-resident tensor (or part) to the device, cast (or dequantized) there; waits for
+    it, so only one tensor is in flight."""
     packed = isinstance(value, quant_lib.Packed)
     stored = value.data if packed else value
-    shape = (*stored.shape[:-1], value.dim) if packed else stored.shape
-    nbytes = int(np.prod(shape)) * self.steps.compute.itemsize
-    self.storage.reserve('device', nbytes, 'weights.loaded')
+    if slot.tier == 'disk':
+      host, futures = read.parts[slot]
+      diskio.wait(futures)
+      self.stats['bytes_moved']['weights_disk'] += stored.nbytes
+      self.stats['disk_weights_by_phase'][self.clock.phase] += stored.nbytes
+    else:
+      host = stored
+    self.storage.reserve('device', stored.nbytes, 'weights.transfer')
     try:
-      if tier == 'disk':
-        host, futures = read.parts[path]
-        diskio.wait(futures)
-        self.stats['bytes_moved']['weights_disk'] += stored.nbytes
-        self.stats['disk_weights_by_phase'][self.clock.phase] += stored.nbytes
-      else:
-        host = stored
-      self.storage.reserve('device', stored.nbytes, 'weights.transfer')
-      try:
-        moved = jax.device_put(host, self.storage.device)
-        finish = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
-                  if packed else self.steps.cast(moved))
-        tree[path] = finish.block_until_ready()
-        del moved, host
-      finally:
-        self.storage.free('device', stored.nbytes, 'weights.transfer')
-    except BaseException:
-      self.storage.free('device', nbytes, 'weights.loaded')
-      raise
+      moved = jax.device_put(host, self.storage.device)
+      finish = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
+                if packed else self.steps.cast(moved))
+      out = finish.block_until_ready()
+      del moved, host
+    finally:
+      self.storage.free('device', stored.nbytes, 'weights.transfer')
     self.stats['bytes_moved']['weights'] += stored.nbytes
-    return nbytes
+    return out
 
   def free_weights(self, loaded: int) -> None:
     self.storage.free('device', loaded, 'weights.loaded')

@@ -16,9 +16,10 @@ from flexjax.steps import Steps
 from flexjax.storage import Storage
 from flexjax.weights import WeightSource
 
-# A placed tensor: (tier, value) where value is a device array, a host array, a
-# stream.StreamTensor (disk), or a quant.Packed around one of them.
-Placed = dict[plan_lib.Path, tuple]
+# A stage's placed tensors: (slot, value) per plan.TensorSlot (a tensor, or its rows on one tier),
+# where value is a device array, a host array, a stream.StreamTensor (disk), or a quant.Packed
+# around one of them.
+Placed = list[tuple[plan_lib.TensorSlot, object]]
 
 
 def layout_variant(source: WeightSource, policy: Policy) -> str:
@@ -63,32 +64,32 @@ def place_weights(source: WeightSource, policy: Policy, sizes: plan_lib.Itemsize
 
 def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage,
                  steps: Steps) -> Placed:
-  placed = {}
+  placed, source, whole = [], None, None
   for slot in plan_lib.stage_layout(cfg, policy, sizes, stage):
-    found = fetch(slot.path)
-    if isinstance(found, stream_lib.StreamTensor):
-      if slot.tier == 'disk':
-        value = found
-        array = None
-      else:
-        array = found.read()
-    else:
-      if slot.tier == 'disk':
+    if source is None or slot.path != source[0]:  # a tensor's parts come one after another
+      source, whole = (slot.path, fetch(slot.path)), None
+    found = source[1]
+    lo, hi = slot.rows
+    if slot.tier == 'disk':
+      if not isinstance(found, stream_lib.StreamTensor):
         raise ValueError('disk-tier weights need a streaming layout')
-      array = np.asarray(found)
-      if slot.packed:  # quantized once, on the CPU backend; kept and moved as byte rows
-        array = np.asarray(steps.quantize(jax.device_put(array, steps.cpu)))
-    if slot.tier == 'device':
-      storage.reserve('device', slot.resident, 'weights.resident')
-      value = jax.device_put(array, storage.device)
-      if not slot.packed:
-        value = steps.cast(value)
-      value.block_until_ready()  # the host copy is dropped next
-    elif slot.tier == 'host':
-      value = storage.host_array(array.shape, array.dtype, 'weights.host')
-      value[...] = array
+      storage.reserve('disk', slot.stored, 'weights.disk')
+      value = found.rows(lo, hi)
     else:
-      storage.reserve('disk', found.nbytes, 'weights.disk')
-    placed[slot.path] = (slot.tier, quant_lib.Packed(value, slot.shape[-1], policy.quant)
-                         if slot.packed else value)
+      if whole is None:
+        whole = found.read() if isinstance(found, stream_lib.StreamTensor) else np.asarray(found)
+        if slot.packed and whole.dtype != np.uint8:  # quantized once, on the CPU backend
+          whole = np.asarray(steps.quantize(jax.device_put(whole, steps.cpu)))
+      array = whole[lo:hi]
+      if slot.tier == 'device':
+        storage.reserve('device', slot.resident, 'weights.resident')
+        value = jax.device_put(array, storage.device)
+        if not slot.packed:
+          value = steps.cast(value)
+        value.block_until_ready()  # the host copy is dropped next
+      else:
+        value = storage.host_array(array.shape, array.dtype, 'weights.host')
+        value[...] = array
+    placed.append((slot, quant_lib.Packed(value, slot.shape[-1], policy.quant)
+                   if slot.packed else value))
   return placed

@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from flexjax.config import ModelConfig, np_dtype
-from flexjax.diskio import align_up
+from flexjax.diskio import BLOCK, align_up
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
-from flexjax.policy import Policy, assign_weight_tiers
+from flexjax.policy import Policy, flexgen_tiers, split_by_share
 from flexjax.quant import Packed
 
 Path = tuple[str, ...]
@@ -111,37 +111,92 @@ def sparse_keep(policy: Policy, cache_len: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSlot:
-  """One weight tensor of a stage: where it lives and its bytes there and once loaded."""
+  """Rows [rows[0], rows[1]) of one weight tensor of a stage (all of it unless the tensor is
+  split across tiers): where they live, and their bytes there and once loaded."""
 
   path: Path
-  shape: tuple[int, ...]
+  shape: tuple[int, ...]  # of these rows
   tier: str
   packed: bool  # stored quantized (in every tier, the device included)
-  stored: int  # bytes where it lives (storage dtype, or packed bytes)
+  stored: int  # bytes where they live (storage dtype, or packed bytes)
   loaded: int  # bytes on the device once loaded (compute dtype; dequantized once per load)
+  rows: tuple[int, int]
+  full_shape: tuple[int, ...]  # of the whole tensor
+  join: int = 0  # device bytes joining a split tensor's parts when it is loaded (first offloaded
+  #                part only): the whole tensor, plus a packed resident part dequantized
 
   @property
   def resident(self) -> int:
     """Bytes of a device-resident tensor (packed stays packed; the rest in compute dtype)."""
     return self.stored if self.packed else self.loaded
 
+  @property
+  def whole(self) -> bool:
+    return self.rows == (0, self.full_shape[0])
+
 
 def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
                  stage: str) -> tuple[TensorSlot, ...]:
-  """Every tensor of a stage with its tier: tensors in sorted order, split by cumulative stored
-  size (policy.assign_weight_tiers). The one walk over weight bytes in flexjax."""
+  """Every tensor of a stage (or its parts) with its tier, by the policy's placement rule
+  (policy.split_by_share or policy.flexgen_tiers). The one walk over weight bytes in flexjax."""
   shapes = stage_shapes(cfg, stage)
-  paths = sorted(shapes)
-  stored = []
-  for path in paths:
-    shape = shapes[path]
-    count = int(np.prod(shape))
-    stored.append(count // shape[-1] * policy.quant.row_bytes(shape[-1])
-                  if compressed(policy, shape) else count * sizes.storage)
-  tiers = assign_weight_tiers(stored, policy.w_gpu_percent, policy.w_cpu_percent)
-  return tuple(TensorSlot(path, shapes[path], tier, compressed(policy, shapes[path]), size,
-                          int(np.prod(shapes[path])) * sizes.compute)
-               for path, tier, size in zip(paths, tiers, stored))
+  stored = {path: _stored_bytes(policy, sizes, shape) for path, shape in shapes.items()}
+  if policy.placement == 'flexgen':
+    parts = {}
+    for group in flexgen_groups(stage, shapes):
+      counts = [int(np.prod(shapes[path])) for path in group]
+      for path, tier in zip(group, flexgen_tiers(counts, policy.w_gpu_percent,
+                                                 policy.w_cpu_percent)):
+        parts[path] = [(tier, 0, shapes[path][0])]
+    order = [path for group in flexgen_groups(stage, shapes) for path in group]
+  else:
+    order = sorted(shapes)
+    split = split_by_share([stored[p] for p in order], [shapes[p][0] for p in order],
+                           policy.w_gpu_percent, policy.w_cpu_percent)
+    parts = dict(zip(order, split))
+  out = []
+  for path in order:
+    shape, count = shapes[path], shapes[path][0]
+    whole_loaded = int(np.prod(shape)) * sizes.compute
+    split_load = len(parts[path]) > 1 and any(t != 'device' for t, _, _ in parts[path])
+    first_offloaded = True
+    for tier, lo, hi in parts[path]:
+      join = 0
+      if split_load and tier != 'device' and first_offloaded:
+        first_offloaded = False
+        device_rows = sum(h - l for t, l, h in parts[path] if t == 'device')
+        join = whole_loaded + (whole_loaded * device_rows // count
+                               if compressed(policy, shape) else 0)
+      out.append(TensorSlot(path, (hi - lo, *shape[1:]), tier, compressed(policy, shape),
+                            stored[path] * (hi - lo) // count, whole_loaded * (hi - lo) // count,
+                            (lo, hi), tuple(shape), join))
+  return tuple(out)
+
+
+def _stored_bytes(policy: Policy, sizes: Itemsizes, shape: tuple[int, ...]) -> int:
+  count = int(np.prod(shape))
+  if compressed(policy, shape):
+    return count // shape[-1] * policy.quant.row_bytes(shape[-1])
+  return count * sizes.storage
+
+
+def flexgen_groups(stage: str, shapes: dict[Path, tuple[int, ...]]) -> list[list[Path]]:
+  """A stage's tensors as FlexGen's layers hold them, in FlexGen's order: input embedding
+  (tokens, positions), attention (q, k, v, out with biases, then its LayerNorm), MLP (fc1, fc2
+  with biases, then its LayerNorm), output embedding (final LayerNorm, tokens). Tensors FlexGen
+  has no place for (OPT-350m's projections) join the stage's last group."""
+  if stage == 'embed':
+    names = [[('tokens',), ('positions',)]]
+  elif stage == 'head':
+    names = [[('final_ln', 'scale'), ('final_ln', 'bias'), ('tokens',)]]
+  else:
+    dense = lambda *layers: [(n, part) for n in layers for part in ('kernel', 'bias')]
+    names = [dense('q', 'k', 'v', 'o') + [('attn_ln', 'scale'), ('attn_ln', 'bias')],
+             dense('fc1', 'fc2') + [('mlp_ln', 'scale'), ('mlp_ln', 'bias')]]
+  groups = [[path for path in group if path in shapes] for group in names]
+  known = {path for group in groups for path in group}
+  groups[-1] += sorted(path for path in shapes if path not in known)
+  return [group for group in groups if group]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +226,7 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
       placed[slot.tier] += count * (slot.resident if slot.tier == 'device' else slot.stored)
       stored[slot.tier] += count * slot.stored
       if slot.path != ('tokens',):  # read on its own, before anything is placed
-        tensor_max = max(tensor_max, int(np.prod(slot.shape)) * 4)
+        tensor_max = max(tensor_max, int(np.prod(slot.full_shape)) * 4)
       if slot.tier != 'device':
         transfer_max = max(transfer_max, slot.stored)
         if slot.loaded > largest_loaded:
@@ -180,8 +235,9 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
                           slot.shape[-1]) if slot.packed else (slot.shape, None)
       if slot.tier == 'device':
         resident_max = max(resident_max, slot.stored)
-    loaded_max = max(loaded_max, sum(s.loaded for s in layout if s.tier != 'device'))
-    disk_max = max(disk_max, sum(align_up(s.stored) for s in layout if s.tier == 'disk'))
+    loaded_max = max(loaded_max, sum(s.loaded + s.join for s in layout if s.tier != 'device'))
+    disk_max = max(disk_max, sum(align_up(s.stored) + (0 if s.whole else BLOCK)
+                                 for s in layout if s.tier == 'disk'))
     stage_max = max(stage_max, sum(int(np.prod(s.shape)) * sizes.storage for s in layout
                                    if s.path != ('tokens',)))
   tokens = int(np.prod(cfg.tokens_shape())) * sizes.storage
@@ -471,12 +527,12 @@ def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
   for kind, stage in (('embed', 'embed'), ('layer', params_lib.layer_name(0)), ('head', 'head')):
     flat = {}
     for slot in stage_layout(cfg, policy, sizes, stage):
-      if slot.packed and slot.tier == 'device':
-        data = jax.ShapeDtypeStruct((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
-                                    np.uint8)
-        flat[slot.path] = Packed(data, slot.shape[-1], policy.quant)
+      shape = slot.full_shape  # a tensor split across tiers is joined when loaded
+      if slot.packed and slot.tier == 'device' and slot.whole:
+        data = jax.ShapeDtypeStruct((*shape[:-1], policy.quant.row_bytes(shape[-1])), np.uint8)
+        flat[slot.path] = Packed(data, shape[-1], policy.quant)
       else:
-        flat[slot.path] = jax.ShapeDtypeStruct(slot.shape, dtype)
+        flat[slot.path] = jax.ShapeDtypeStruct(shape, dtype)
     out[kind] = params_lib.unflatten(flat)
   return out
 
@@ -551,21 +607,26 @@ class Planner:
   def working(self, policy: Policy, *, rows: int, device_rows: int, cpu_attention: bool,
               prompt_len: int, gen_len: int, temperature: float = 0.0,
               top_p: float = 1.0) -> dict:
-    """XLA bytes per step kind at these shapes (compiled once per planner)."""
-    totals = weight_totals(self.cfg, policy, self.sizes)
+    """XLA bytes per step kind at these shapes (compiled once per planner; the compiled steps
+    are the run's warm-up, see steps.Steps.working_memory)."""
+    from flexjax.steps import Geometry
+    layouts = [stage_layout(self.cfg, policy, self.sizes, stage)
+               for stage in distinct_stages(self.cfg)]
     largest_tensor = None
     if policy.compress_weight:
-      largest_tensor = max((slot.shape for stage in distinct_stages(self.cfg)
-                            for slot in stage_layout(self.cfg, policy, self.sizes, stage)
-                            if slot.packed), key=lambda shape: int(np.prod(shape)))
-    key = (_approximations(policy), rows, device_rows, cpu_attention, prompt_len, gen_len,
-           temperature, top_p, totals.largest_load, largest_tensor)
+      largest_tensor = max((slot.shape for layout in layouts for slot in layout if slot.packed),
+                           key=lambda shape: int(np.prod(shape)))
+    loads = tuple(sorted({((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
+                           slot.shape[-1]) if slot.packed else (slot.shape, None)
+                          for layout in layouts for slot in layout if slot.tier != 'device'},
+                         key=repr))
+    geom = Geometry(rows=rows, device_rows=device_rows, cpu_attention=cpu_attention,
+                    prompt_len=prompt_len, total_len=prompt_len + gen_len - 1)
+    key = (_approximations(policy), geom, temperature, top_p, loads, largest_tensor)
     if key not in self._working:
       working = self.steps(policy).working_memory(
           params=param_specs(self.cfg, policy, self.sizes, self.compile_dtypes['compute_dtype']),
-          rows=rows, device_rows=device_rows, prompt_len=prompt_len,
-          total_len=prompt_len + gen_len - 1, cpu_attention=cpu_attention,
-          temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
+          geom=geom, temperature=temperature, top_p=top_p, loads=loads,
           largest_tensor=largest_tensor)
       self._working[key] = {k: v.scaled(self.scale) for k, v in working.items()}
     return self._working[key]

@@ -8,13 +8,19 @@ from flexjax.errors import FlexjaxError
 from flexjax.quant import QuantConfig
 
 
+PLACEMENTS = ('exact', 'flexgen')
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """Where tensors live and how the block schedule runs (FlexGen's search space, section 4.2).
 
   Weights are placed per layer: a layer's tensors, in a fixed order, go to the device until
   w_gpu_percent of the layer's bytes are used, then to the host up to w_cpu_percent, the rest to
-  disk. The KV cache and the hidden states are split along the batch: the first cache_gpu_percent
+  disk; the tensor straddling a boundary is split by rows, so each share is met to a row
+  (placement='exact'). placement='flexgen' follows FlexGen's rule instead: whole tensors, by
+  where the middle of each falls in the cumulative element count of its FlexGen layer (input
+  embedding, attention, MLP, output embedding), disk first, then CPU, then GPU. The KV cache and the hidden states are split along the batch: the first cache_gpu_percent
   of a GPU batch's rows live on the device, the next cache_cpu_percent on the host, the rest on
   disk (likewise act_*). The disk share is what remains of 100.
 
@@ -43,8 +49,12 @@ class Policy:
   compress_bits: int = 4
   compress_group_size: int = 64
   attn_sparsity: float = 1.0
+  placement: str = 'exact'  # 'exact' | 'flexgen'
 
   def __post_init__(self):
+    if self.placement not in PLACEMENTS:
+      raise FlexjaxError(f'placement={self.placement!r} is not known; use one of '
+                         f'{", ".join(PLACEMENTS)}')
     QuantConfig(self.compress_bits, self.compress_group_size)  # validates
     if not 0 < self.attn_sparsity <= 1:
       raise FlexjaxError(f'attn_sparsity={self.attn_sparsity} must be in (0, 1]; 1 is dense '
@@ -102,21 +112,45 @@ class Policy:
                if self.compress_weight else '')
             + (f' compress_cache={self.compress_bits}b/g{self.compress_group_size}'
                if self.compress_cache else '')
-            + (f' attn_sparsity={self.attn_sparsity:g}' if self.attn_sparsity < 1 else ''))
+            + (f' attn_sparsity={self.attn_sparsity:g}' if self.attn_sparsity < 1 else '')
+            + (f' placement={self.placement}' if self.placement != 'exact' else ''))
 
 
-def assign_weight_tiers(sizes: list[int], w_gpu_percent: float,
-                        w_cpu_percent: float) -> list[str]:
-  """Tier of each tensor of a layer, by where the middle of its bytes falls in the cumulative sum.
+def split_by_share(sizes: list[int], rows: list[int], w_gpu_percent: float,
+                   w_cpu_percent: float) -> list[list[tuple[str, int, int]]]:
+  """Per tensor of a layer (in order), its (tier, first row, end row) parts: the first
+  w_gpu_percent of the layer's bytes on the device, the next w_cpu_percent on the host, the rest
+  on disk; a tensor straddling a boundary is cut at the row nearest to it.
 
-  E.g. sizes [4, 1, 1, 4] with 50% on the device: the first two tensors (midpoints at 20% and 45%)
-  go to the device.
+  E.g. sizes [4, 4] of 4 rows each with 25% on the device: [[('device', 0, 2), ('host', 2, 4)],
+  [('host', 0, 4)]] when w_cpu_percent=75.
   """
   total = sum(sizes)
+  bounds = [total * w_gpu_percent / 100, total * (w_gpu_percent + w_cpu_percent) / 100, total]
+  out, start = [], 0
+  for size, count in zip(sizes, rows):
+    cuts = [0] + [min(count, max(0, round((b - start) * count / size))) if size else count
+                  for b in bounds[:2]] + [count]
+    parts = [(tier, lo, hi) for tier, lo, hi in zip(('device', 'host', 'disk'), cuts, cuts[1:])
+             if hi > lo]
+    out.append(parts or [('device', 0, count)])
+    start += size
+  return out
+
+
+def flexgen_tiers(sizes: list[int], w_gpu_percent: float, w_cpu_percent: float) -> list[str]:
+  """FlexGen's rule for one of its layers: each tensor whole, on the tier where the middle of its
+  elements falls in the cumulative count, tiers in the order disk, CPU, GPU.
+
+  E.g. sizes [4, 1, 1, 4] with 50% on disk and 50% on the GPU: the first two (midpoints at 20%
+  and 45%) on disk, the last two on the GPU.
+  """
+  total = sum(sizes)
+  disk = 100 - w_gpu_percent - w_cpu_percent
   tiers, start = [], 0
   for size in sizes:
     middle = 100 * (start + size / 2) / total if total else 0
-    tiers.append('device' if middle < w_gpu_percent
-                 else 'host' if middle < w_gpu_percent + w_cpu_percent else 'disk')
+    tiers.append('disk' if middle < disk else 'host' if middle < disk + w_cpu_percent
+                 else 'device')
     start += size
   return tiers

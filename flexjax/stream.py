@@ -30,7 +30,8 @@ INDEX = 'index.json'
 
 @dataclasses.dataclass(frozen=True)
 class StreamTensor:
-  """One tensor of a layout: `nbytes` at `offset` of `file`, read as `padded` bytes."""
+  """A tensor (or some of its rows) in a layout: `nbytes` at byte `offset` of `file`. Direct I/O
+  reads whole aligned blocks: `padded` bytes from `start`, the tensor `skip` bytes in."""
 
   file: diskio.DiskFile
   offset: int
@@ -39,17 +40,31 @@ class StreamTensor:
   nbytes: int
 
   @property
+  def start(self) -> int:
+    return self.offset - self.offset % diskio.BLOCK
+
+  @property
+  def skip(self) -> int:
+    return self.offset - self.start
+
+  @property
   def padded(self) -> int:
-    return diskio.align_up(self.nbytes)
+    return diskio.align_up(self.skip + self.nbytes)
+
+  def rows(self, first: int, end: int) -> 'StreamTensor':
+    """Rows [first, end) along axis 0."""
+    row = self.nbytes // self.shape[0]
+    return StreamTensor(self.file, self.offset + first * row, (end - first, *self.shape[1:]),
+                        self.dtype, (end - first) * row)
 
   def view(self, buffer: np.ndarray) -> np.ndarray:
     """The tensor inside a buffer its padded bytes were read into."""
-    return buffer[:self.nbytes].view(self.dtype).reshape(self.shape)
+    return buffer[self.skip:self.skip + self.nbytes].view(self.dtype).reshape(self.shape)
 
   def read(self) -> np.ndarray:
     """A fresh aligned host array of the tensor (read on the calling thread)."""
     buffer = diskio.aligned_buffer(self.padded)
-    self.file.read_into(memoryview(buffer), self.offset)
+    self.file.read_into(memoryview(buffer), self.start)
     return self.view(buffer)
 
 
@@ -147,6 +162,7 @@ def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *
       for stage, entries in index.items():
         fds[stage] = diskio.reserve_file(
             tmp / f'{stage}.bin', stage_file_bytes(entries), what='the streaming weight layout',
+            where=folder.parent,
             fix=f'free space there ({total:,} bytes in all) or point --weights_cache elsewhere')
       bar = _progress(total, f'writing weight layout {folder.name}', progress)
       for stage, entries in index.items():

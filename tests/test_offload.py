@@ -23,6 +23,8 @@ POLICIES = {
     'weights_on_disk': Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0),
     'weights_on_host': Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=100),
     'weights_split_3_ways': Policy(gpu_batch_size=4, w_gpu_percent=30, w_cpu_percent=40),
+    'weights_flexgen_placement': Policy(gpu_batch_size=4, w_gpu_percent=30, w_cpu_percent=40,
+                                        placement='flexgen'),
     'cache_split_device_host': Policy(gpu_batch_size=4, cache_gpu_percent=50,
                                       cache_cpu_percent=50),
     'cache_on_disk': Policy(gpu_batch_size=4, cache_gpu_percent=0, cache_cpu_percent=0),

@@ -1,0 +1,101 @@
+"""Weight placement rules: exact shares (split by rows) and FlexGen's per-tensor rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flexjax import config as config_lib
+from flexjax import plan as plan_lib
+from flexjax.policy import Policy, flexgen_tiers, split_by_share
+
+SIZES = plan_lib.Itemsizes(storage=2, compute=4, cache=4)
+
+
+def test_split_by_share_cuts_the_straddling_tensor_at_the_nearest_row():
+  assert split_by_share([4, 4], [4, 4], 25, 75) == [[('device', 0, 2), ('host', 2, 4)],
+                                                     [('host', 0, 4)]]
+  assert split_by_share([6, 2], [3, 2], 0, 50) == [[('host', 0, 2), ('disk', 2, 3)],
+                                                    [('disk', 0, 2)]]
+  assert split_by_share([5], [5], 100, 0) == [[('device', 0, 5)]]
+
+
+def test_flexgen_tiers_put_disk_first_by_midpoint():
+  assert flexgen_tiers([4, 1, 1, 4], 50, 0) == ['disk', 'disk', 'device', 'device']
+  assert flexgen_tiers([4, 1, 1, 4], 0, 100) == ['host'] * 4
+
+
+def _shares(cfg, policy, stage):
+  per_tier = dict.fromkeys(('device', 'host', 'disk'), 0)
+  for slot in plan_lib.stage_layout(cfg, policy, SIZES, stage):
+    per_tier[slot.tier] += slot.stored
+  total = sum(per_tier.values())
+  return {tier: 100 * value / total for tier, value in per_tier.items()}
+
+
+@pytest.mark.parametrize('model', ['opt-125m', 'opt-1.3b', 'opt-30b'])
+@pytest.mark.parametrize('gpu,cpu', [(20, 80), (0, 50), (33, 33), (65, 10), (5, 1)])
+@pytest.mark.parametrize('compress', [False, True])
+def test_exact_placement_meets_every_share_within_1_percent_per_layer(model, gpu, cpu, compress):
+  cfg = config_lib.preset(model)
+  policy = Policy(w_gpu_percent=gpu, w_cpu_percent=cpu, compress_weight=compress)
+  want = {'device': gpu, 'host': cpu, 'disk': 100 - gpu - cpu}
+  for stage in ('embed', 'layer_000', 'head'):
+    got = _shares(cfg, policy, stage)
+    for tier in want:
+      assert abs(got[tier] - want[tier]) <= 1, (stage, got, want)
+
+
+def test_split_parts_cover_each_tensor_once():
+  cfg = config_lib.preset('opt-1.3b')
+  layout = plan_lib.stage_layout(cfg, Policy(w_gpu_percent=33, w_cpu_percent=33), SIZES,
+                                 'layer_000')
+  rows: dict = {}
+  for slot in layout:
+    rows.setdefault(slot.path, []).append(slot.rows)
+    assert slot.shape[0] == slot.rows[1] - slot.rows[0]
+  for path, parts in rows.items():
+    ends = [0] + [hi for _, hi in parts]
+    assert [lo for lo, _ in parts] == ends[:-1]
+    assert ends[-1] == plan_lib.stage_shapes(cfg, 'layer_000')[path][0]
+  assert any(len(parts) > 1 for parts in rows.values())  # 33/33/34 cuts some tensors
+
+
+def _flexgen_layer_specs(cfg):
+  """FlexGen's weight lists per layer (its names and order, shapes of OPT with h, 4h)."""
+  h, v, s = cfg.hidden_size, cfg.vocab_size, cfg.max_positions
+  attention = [('w_q', (h, h)), ('b_q', (h,)), ('w_k', (h, h)), ('b_k', (h,)), ('w_v', (h, h)),
+               ('b_v', (h,)), ('w_out', (h, h)), ('b_out', (h,)), ('w_ln', (h,)), ('b_ln', (h,))]
+  mlp = [('wi', (4 * h, h)), ('bi', (4 * h,)), ('wo', (h, 4 * h)), ('bo', (h,)), ('w_ln', (h,)),
+         ('b_ln', (h,))]
+  return {'embed': [[('w_token', (v, h)), ('w_pos', (s + 2, h))]],
+          'layer_000': [attention, mlp],
+          'head': [[('w_ln', (h,)), ('b_ln', (h,)), ('w_token', (v, h))]]}
+
+
+def _flexgen_bytes(cfg, policy, stage):
+  """Bytes per tier as FlexGen places them: per FlexGen layer, cumulative element counts,
+  each tensor on the tier its middle falls in, thresholds disk, disk+cpu, 100."""
+  per_tier = dict.fromkeys(('device', 'host', 'disk'), 0)
+  bounds = np.cumsum([policy.w_disk_percent, policy.w_cpu_percent, policy.w_gpu_percent])
+  for layer in _flexgen_layer_specs(cfg)[stage]:
+    sizes = np.array([np.prod(shape) for _, shape in layer])
+    cumulative = np.cumsum(sizes)
+    for size, end in zip(sizes, cumulative):
+      middle = 100 * (end - size / 2) / cumulative[-1]
+      index = next((i for i, b in enumerate(bounds) if middle < b), 2)
+      per_tier[('disk', 'host', 'device')[index]] += int(size) * 2
+  return per_tier
+
+
+@pytest.mark.parametrize('model,gpu,cpu', [('opt-30b', 20, 80), ('opt-175b', 0, 50),
+                                           ('opt-6.7b', 100, 0), ('opt-13b', 45, 30)])
+def test_flexgen_placement_puts_the_same_bytes_on_each_tier_as_flexgen(model, gpu, cpu):
+  cfg = config_lib.preset(model)
+  policy = Policy(w_gpu_percent=gpu, w_cpu_percent=cpu, placement='flexgen')
+  for stage in ('embed', 'layer_000', 'head'):
+    got = dict.fromkeys(('device', 'host', 'disk'), 0)
+    for slot in plan_lib.stage_layout(cfg, policy, SIZES, stage):
+      assert slot.whole
+      got[slot.tier] += slot.stored
+    assert got == _flexgen_bytes(cfg, policy, stage), stage
