@@ -184,7 +184,8 @@ def run_accelerate(cfg: ModelConfig, *, batch_size: int, prompt_len: int, gen_le
         dtype=getattr(torch, dtype))
     model.eval()
     placement = _placement_bytes(model)
-    gpus = sorted(d for d in (model.hf_device_map or {}).values() if isinstance(d, int))
+    gpus = sorted(d for d in (getattr(model, 'hf_device_map', None) or {}).values()
+                  if isinstance(d, int))
     first = torch.device(f'cuda:{gpus[0]}' if gpus else 'cpu')  # where inputs go
     prompts = np.array(synthetic_prompts(cfg, num=batch_size, length=prompt_len, seed=0))
     input_ids = torch.from_numpy(prompts).long()

@@ -23,14 +23,24 @@ A suite file (JSON) has "defaults" and "cases"; a case is the defaults updated b
             max_block_size, hw_profile (paper-t4 or a profile JSON; default: this machine,
             measured once and cached), compute_dtype
   accelerate: batch_size, dtype it computes in (float32 | bfloat16 | float16; the checkpoint
-            holds float16 like flexjax's weights), checkpoint_cache (folder)
+            holds float16 like flexjax's weights), checkpoint_cache (folder);
+            batch_sweep + match: run each batch size of the sweep and keep the fastest run whose
+            peak RSS stays within that of the flexjax case named by match (tools/rss_match.py)
   flexgen:  policy as for flexjax, or "from:<case name>": the policy flexjax ran in that case
 
 Each case runs in a fresh process (one engine, one model load; an untimed warm-up, then the timed
 generation of one block) and appends one JSON line to --output: the case, commit, machine,
 versions, policy, budgets, prefill/decode/total tok/s, latency (seconds per block), per-tier peak
 bytes, projected yes/no, the per-part breakdown of runs without overlap, the cost model's
-prediction, and status (ok, infeasible: no policy fits, failed: the error's last line).
+prediction, and status (ok, infeasible: no policy fits, failed: the error's last line,
+none_fit: no run of a batch sweep stayed within its RSS limit).
+
+Roofline (tools/roofline.py): before the first case the suite measures this machine's matmul rate
+(per compute dtype, jax and torch), RAM->device copy and O_DIRECT disk read/write bandwidths in a
+fresh process (in --roofline_dir, default the first case's offload folder), records them in every
+row ("rates"), and gives every successful row "roofline" (per phase: FLOPs, bytes per link, the
+bound, roofline and measured seconds), "roofline_s" and "roofline_fraction" = roofline time /
+measured time. --noroofline skips this.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ from flexjax.engine import BREAKDOWN_PARTS
 from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
 from tools import bench_offload
+from tools import roofline as roofline_lib
+from tools import rss_match
 from tools.benchlib import (fmt_number, jsonl_appender, read_records, report_error, run_tool,
                             throughputs, timestamp)
 
@@ -64,7 +76,7 @@ CASE_KEYS = {
                'page_cache', 'gpu_mem', 'cpu_mem', 'disk_mem', 'budget', 'tables', 'label',
                'offload_dir'),
     'flexjax': ('policy', 'fixed', 'max_block_size', 'hw_profile', 'compute_dtype'),
-    'accelerate': ('batch_size', 'dtype', 'checkpoint_cache'),
+    'accelerate': ('batch_size', 'dtype', 'checkpoint_cache', 'batch_sweep', 'match'),
     'flexgen': ('policy',),
 }
 DEFAULTS = {'prompt_len': 512, 'gen_len': 32, 'projected_gen_len': None, 'page_cache': 'dropped',
@@ -72,7 +84,8 @@ DEFAULTS = {'prompt_len': 512, 'gen_len': 32, 'projected_gen_len': None, 'page_c
             'label': '', 'offload_dir': None, 'policy': 'auto', 'fixed': {},
             'max_block_size': 1024, 'hw_profile': None, 'compute_dtype': 'float32',
             'batch_size': 8, 'dtype': 'float32',
-            'checkpoint_cache': '~/.cache/flexjax/peer-checkpoints'}
+            'checkpoint_cache': '~/.cache/flexjax/peer-checkpoints', 'batch_sweep': None,
+            'match': None}
 
 
 # ---- suite files ---------------------------------------------------------------------------------
@@ -100,6 +113,11 @@ def load_suite(path: str) -> tuple[str, list[dict[str, Any]]]:
   repeated = sorted({n for n in names if names.count(n) > 1})
   if repeated:
     raise FlexjaxError(f'case names {repeated} repeat in {path!r}; give every case its own name')
+  systems = {case['name']: case['system'] for case in cases}
+  for case in cases:
+    if systems.get(case.get('match'), 'flexjax') != 'flexjax':
+      raise FlexjaxError(f'case {case["name"]!r}: match={case["match"]!r} names a case of '
+                         f'system {systems[case["match"]]}; name a flexjax case')
   return spec.get('name', p.stem), cases
 
 
@@ -137,6 +155,8 @@ def check_case(case: dict[str, Any], own_keys: set[str] | None = None) -> dict[s
     _policy_from(policy, name)
   if system == 'flexjax':
     _policy_from(case['fixed'], name)
+  if system == 'accelerate':
+    rss_match.check_sweep(case)
   return {k: v for k, v in case.items() if k in allowed}
 
 
@@ -307,6 +327,9 @@ def describe_case(case: dict[str, Any]) -> str:
   """What a case would run: flexjax's policy and prediction, a peer's batch."""
   cfg = model_config(case['model'])
   lengths = f'{case["prompt_len"]}+{case["gen_len"]}'
+  if case['system'] == 'accelerate' and case.get('batch_sweep'):
+    return (f'accelerate {cfg.name} {lengths}, batch sweep {sorted(case["batch_sweep"])}, '
+            f'{case["dtype"]}: the fastest run within the peak RSS of {case["match"]!r}')
   if case['system'] == 'accelerate':
     return f'accelerate {cfg.name} {lengths}, batch {case["batch_size"]}, {case["dtype"]}'
   if case['system'] == 'flexgen':
@@ -341,22 +364,103 @@ def resolve(case: dict[str, Any], done: Sequence[dict[str, Any]]) -> dict[str, A
 
 def run_suite(suite_name: str, cases: Sequence[dict[str, Any]],
               emit: Callable[[dict[str, Any]], None], *, isolate: bool = True,
-              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+              log: Callable[[str], None] = print, previous: Sequence[dict[str, Any]] = (),
+              rates: dict[str, Any] | None = None) -> list[dict[str, Any]]:
   """Runs the cases in order, each in its own process when `isolate`, emitting every record.
-  A case that fails is recorded with status 'failed' and the suite goes on."""
+  A case that fails is recorded with status 'failed' and the suite goes on. `previous`: records
+  already in the output (a batch sweep's match may be there); `rates`: roofline.measure_rates()
+  of this run, which every record then carries with its roofline."""
   context = {**bench_offload.run_context(), 'suite': suite_name}
   done: list[dict[str, Any]] = []
+
+  def run_one(case: dict[str, Any]) -> dict[str, Any]:
+    try:
+      return _run_isolated(case, context) if isolate else run_case(case, context)
+    except FlexjaxError as e:
+      return _failed(case, context, e)
+
   for case in cases:
     log(f'suite {suite_name}: case {case["name"]} ({case["system"]}, {case["model"]})')
-    try:
-      resolved = resolve(case, done)
-      record = _run_isolated(resolved, context) if isolate else run_case(resolved, context)
-    except FlexjaxError as e:
-      record = {**record_head(case, context), 'status': 'failed', 'error': str(e),
-                'timestamp': timestamp()}
+    if case.get('batch_sweep'):
+      record = _run_sweep(case, context, [*previous, *done],
+                          lambda point: with_roofline(run_one(point), rates), log)
+    else:
+      try:
+        record = run_one(resolve(case, done))
+      except FlexjaxError as e:
+        record = _failed(case, context, e)
+    record = with_roofline(record, rates)
     emit(record)
     done.append(record)
   return done
+
+
+def _failed(case: dict[str, Any], context: dict[str, Any], error: Exception) -> dict[str, Any]:
+  return {**record_head(case, context), 'status': 'failed', 'error': str(error),
+          'timestamp': timestamp()}
+
+
+def _run_sweep(case, context, records, run, log) -> dict[str, Any]:
+  """A batch-sweep case (tools/rss_match.py): its points, then the kept one's record."""
+  head = record_head(case, context)
+  try:
+    target = rss_match.matched_record(case, records)
+  except FlexjaxError as e:
+    return _failed(case, context, e)
+  limit = target['host_peak_rss_bytes']
+  log(f'  batch sweep {sorted(case["batch_sweep"])} within the peak RSS of {target["case"]} '
+      f'({limit / 2**30:.2f} GiB)')
+  points = rss_match.run_points(case, limit=limit, run=run, log=log)
+  return {**rss_match.sweep_record(case, head, points, target), 'timestamp': timestamp()}
+
+
+def with_roofline(record: dict[str, Any], rates: dict[str, Any] | None) -> dict[str, Any]:
+  """The record with the run's rates and, when it succeeded, its roofline (tools/roofline.py);
+  without rates, the record unchanged."""
+  if rates is None:
+    return record
+  out = {**record, 'rates': rates, 'roofline': None, 'roofline_s': None,
+         'roofline_fraction': None}
+  if record.get('status') != 'ok':
+    return out
+  try:
+    bound = roofline_lib.of_record(record, rates)
+  except (FlexjaxError, KeyError, TypeError, ValueError) as e:
+    return {**out, 'roofline_error': f'{type(e).__name__}: {e}'}
+  return {**out, 'roofline': bound, 'roofline_s': bound['total']['roofline_s'],
+          'roofline_fraction': bound['total']['fraction']}
+
+
+def measure_rates(cases: Sequence[dict[str, Any]], *, folder: str | None, file_gib: float,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The roofline's rates for these cases' compute dtypes (torch's too when a peer runs),
+  measured in a fresh process; the disk probe writes its file in `folder` (default: the first
+  case's offload folder)."""
+  dtypes = sorted({c.get('compute_dtype') if c['system'] == 'flexjax' else
+                   c.get('dtype') if c['system'] == 'accelerate' else 'float16' for c in cases})
+  peers = any(c['system'] != 'flexjax' for c in cases)
+  folder = folder or next((c['offload_dir'] for c in cases if c.get('offload_dir')), None)
+  with tempfile.TemporaryDirectory(prefix='flexjax-rates-') as tmp:
+    out = Path(tmp) / 'rates.json'
+    cmd = [sys.executable, '-m', 'tools.roofline', f'--dtypes={",".join(dtypes)}',
+           f'--file_gib={file_gib}', f'--output={out}', '--torch' if peers else '--notorch']
+    if folder:
+      cmd.append(f'--folder={folder}')
+    log(f'roofline: measuring rates ({" ".join(cmd[3:])})')
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=_child_env())
+    if proc.returncode != 0 or not out.is_file():
+      lines = [line for line in proc.stdout.splitlines() if line.strip()] or ['no output']
+      raise FlexjaxError(f'measuring the roofline rates failed ({lines[-1]}); fix that or pass '
+                         '--noroofline')
+    rates = json.loads(out.read_text())
+  log('roofline: ' + roofline_lib.format_rates(rates).replace('\n', '; '))
+  return rates
+
+
+def _child_env() -> dict[str, str]:
+  return dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(Path(__file__).resolve().parent.parent), os.environ.get('PYTHONPATH', '')]))
 
 
 def _run_isolated(case: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
@@ -365,10 +469,8 @@ def _run_isolated(case: dict[str, Any], context: dict[str, Any]) -> dict[str, An
     out = Path(tmp) / 'record.json'
     cmd = [sys.executable, '-m', 'tools.suite', f'--case_json={json.dumps(case)}',
            f'--context_json={json.dumps(context)}', f'--record_output={out}']
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), os.environ.get('PYTHONPATH', '')]))
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env)
+                          env=_child_env())
     if proc.returncode != 0 or not out.is_file():
       lines = [line for line in proc.stdout.splitlines() if line.strip()]
       raise FlexjaxError(f'exit status {proc.returncode}: '
@@ -386,6 +488,8 @@ def _tok_s(record: dict[str, Any] | None) -> str:
     return '—'
   if record.get('status') == 'infeasible':
     return 'OOM'
+  if record.get('status') == 'none_fit':
+    return 'none fits'
   if record.get('status') != 'ok':
     return 'failed'
   value = record['total_tok_s']
@@ -395,15 +499,17 @@ def _tok_s(record: dict[str, Any] | None) -> str:
 
 def render_peers(records: Sequence[dict[str, Any]]) -> str:
   """Table 2: per model, lengths and memory setting, each system's total tok/s, its batch and
-  policy, and flexjax's ratio to each peer. '*' marks decode time projected from fewer tokens."""
+  policy, flexjax's ratio to each peer and each system's roofline fraction. '*' marks decode
+  time projected from fewer tokens."""
   rows: dict[tuple, dict[str, dict[str, Any]]] = {}
   for r in _in_table(records, 'peers'):
     key = (r['model'], r['prompt_len'], r['gen_len'], r.get('budget', ''))
     rows.setdefault(key, {})[r['system']] = r  # the last run of a system wins
   lines = ['| model | prompt+gen | memory | flexjax tok/s | Accelerate tok/s | FlexGen tok/s | '
            'flexjax / Accelerate | flexjax / FlexGen | flexjax block, policy | '
-           'Accelerate batch | peak RSS GiB flexjax / Accelerate |',
-           '|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|']
+           'Accelerate batch | peak RSS GiB flexjax / Accelerate | '
+           'roofline fraction flexjax / Accelerate / FlexGen |',
+           '|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|']
   for (model, prompt_len, gen_len, budget), systems in rows.items():
     ours = systems.get('flexjax')
     cells = [model, f'{prompt_len}+{gen_len}', budget or '—']
@@ -412,10 +518,24 @@ def render_peers(records: Sequence[dict[str, Any]]) -> str:
     cells.append(f'{ours["num_prompts"]}: {ours["policy"]}' if ours and ours.get('status') == 'ok'
                  else '—')
     acc = systems.get('accelerate')
-    cells.append(str(acc['num_prompts']) if acc and acc.get('status') == 'ok' else '—')
+    cells.append(_peer_batch(acc))
     cells.append(' / '.join(_rss(systems.get(s)) for s in ('flexjax', 'accelerate')))
+    cells.append(' / '.join(_roofline_cell(systems.get(s)) for s in SYSTEMS))
     lines.append('| ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
+
+
+def _peer_batch(record: dict[str, Any] | None) -> str:
+  if not record or record.get('status') != 'ok':
+    return '—'
+  if record.get('sweep'):
+    return f'{record["num_prompts"]} (of {[p["batch_size"] for p in record["sweep"]]}, RSS-matched)'
+  return str(record['num_prompts'])
+
+
+def _roofline_cell(record: dict[str, Any] | None) -> str:
+  value = (record or {}).get('roofline_fraction')
+  return '—' if value is None else f'{value:.2f}'
 
 
 def _rss(record: dict[str, Any] | None) -> str:
@@ -472,13 +592,27 @@ def render_breakdown(records: Sequence[dict[str, Any]]) -> str:
   return '\n'.join(lines)
 
 
+def frontier_runs(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Every successful run of the frontier table: a row, or each point of a batch sweep."""
+  keys = ('system', 'case', 'num_prompts', 'latency_s', 'total_tok_s', 'host_peak_rss_bytes',
+          'projected', 'status')
+  runs = []
+  for r in _in_table(records, 'frontier'):
+    if r.get('sweep') is not None:
+      runs += [{'system': r['system'], 'case': f'{r["case"]} (batch {p["batch_size"]})',
+                'num_prompts': p['batch_size'], **{k: p.get(k) for k in keys[3:]}}
+               for p in r['sweep'] if p.get('status') == 'ok']
+    elif r.get('status') == 'ok':
+      runs.append({k: r.get(k) for k in keys})
+  return runs
+
+
 def frontier(records: Sequence[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
   """Per system, the (latency s, total tok/s) points of its frontier-table runs that no other run
   of that system beats on both (lower latency and higher throughput), by latency."""
   points: dict[str, list[tuple[float, float]]] = {}
-  for r in _in_table(records, 'frontier'):
-    if r.get('status') == 'ok':
-      points.setdefault(r['system'], []).append((r['latency_s'], r['total_tok_s']))
+  for r in frontier_runs(records):
+    points.setdefault(r['system'], []).append((r['latency_s'], r['total_tok_s']))
   out = {}
   for system, pts in points.items():
     best, kept = -math.inf, []
@@ -495,17 +629,46 @@ def render_frontier(records: Sequence[dict[str, Any]]) -> str:
            'on frontier |',
            '|---|---|---:|---:|---:|---:|---|']
   front = frontier(records)
-  for r in _in_table(records, 'frontier'):
-    if r.get('status') != 'ok':
-      continue
+  for r in frontier_runs(records):
     on = (r['latency_s'], r['total_tok_s']) in front.get(r['system'], [])
     lines.append(f'| {r["system"]} | {r["case"]} | {r["num_prompts"]} | {r["latency_s"]:,.1f} | '
                  f'{_tok_s(r)} | {_rss(r)} | {"yes" if on else ""} |')
   return '\n'.join(lines)
 
 
+def render_roofline(records: Sequence[dict[str, Any]]) -> str:
+  """Per successful row with a roofline: roofline / measured seconds of each phase, what bounds
+  it (compute or a link), and the fraction of the roofline reached; then the rates used."""
+  lines = ['| case | system | block / batch | prefill s: roofline / measured (bound) | '
+           'decode s: roofline / measured (bound) | total s: roofline / measured | '
+           'roofline fraction prefill / decode / total |',
+           '|---|---|---:|---:|---:|---:|---:|']
+  rates = {}
+  for r in records:
+    bound = r.get('roofline')
+    if not bound:
+      continue
+    rates.setdefault(r.get('run_id'), r['rates'])
+
+    def cell(phase):
+      b = bound[phase]
+      return (f'{b["roofline_s"]:,.1f} / {b["measured_s"]:,.1f}'
+              + (f' ({b["bound"].replace("_", " ")})' if 'bound' in b else ''))
+
+    fractions = ' / '.join('—' if bound[p]['fraction'] is None else f'{bound[p]["fraction"]:.2f}'
+                           for p in ('prefill', 'decode', 'total'))
+    lines.append(f'| {r["case"]} | {r["system"]} | {r["num_prompts"]} | {cell("prefill")} | '
+                 f'{cell("decode")} | {cell("total")} | {fractions} |')
+  lines += [f'\nRates of run {run_id} (measured {used.get("measured_at", "?")}): '
+            + roofline_lib.format_rates(used).replace('\n', '; ') for run_id, used in rates.items()]
+  return '\n'.join(lines)
+
+
 def render_all(records: Sequence[dict[str, Any]]) -> str:
-  parts = [('Flexjax vs peers (Table 2)', render_peers), ('Ablation (Table 4)', render_ablation),
+  parts = [('Flexjax vs peers (Table 2)', render_peers),
+           ('Flexjax vs Accelerate at equal measured peak RSS', rss_match.render_matched),
+           ('Roofline: measured time against this machine\'s measured peaks', render_roofline),
+           ('Ablation (Table 4)', render_ablation),
            ('Breakdown without overlap (Table 8)', render_breakdown),
            ('Latency and throughput (Fig. 1)', render_frontier)]
   text = []
@@ -533,8 +696,7 @@ def plot_frontier(records: Sequence[dict[str, Any]], output: str, *, title: str 
                        'cases whose "tables" include "frontier"')
   fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=110)
   for system in SYSTEMS:
-    runs = [r for r in _in_table(records, 'frontier') if r['system'] == system
-            and r.get('status') == 'ok']
+    runs = [r for r in frontier_runs(records) if r['system'] == system]
     if not runs:
       continue
     line = ax.plot(*zip(*front[system]), marker='o', label=system)[0]
@@ -566,6 +728,11 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_list('only', [], 'Run only these cases (by name), in the suite\'s order.', **f)
   flags.DEFINE_string('output', None, 'JSONL file to append one line per case to.', **f)
   flags.DEFINE_bool('isolate', True, 'Run each case in a fresh process.', **f)
+  flags.DEFINE_bool('roofline', True, 'Measure this machine\'s rates first and give every row '
+                    'its roofline time and fraction (see the module doc).', **f)
+  flags.DEFINE_string('roofline_dir', None, 'Folder of the disk probe (default: the first case\'s '
+                      'offload folder, else the system temp folder).', **f)
+  flags.DEFINE_float('roofline_file_gib', 1.0, 'Size of the disk probe file in GiB.', **f)
   flags.DEFINE_bool('dry_run', False, 'Print each case\'s policy (flexjax: searched for "auto") '
                     'and predicted throughput; run nothing.', **f)
   flags.DEFINE_string('render', None, 'Print the markdown tables of this results JSONL.', **f)
@@ -603,9 +770,12 @@ def run_cli(fv: flags.FlagValues) -> int:
       for case in cases:
         print(f'{case["name"]}: {describe_case(case)}')
       return 0
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    previous = read_records(fv.output) if Path(fv.output).is_file() else []
+    rates = (measure_rates(cases, folder=fv.roofline_dir, file_gib=fv.roofline_file_gib, log=log)
+             if fv.roofline else None)
     with jsonl_appender(fv.output) as emit:
-      run_suite(name, cases, emit, isolate=fv.isolate,
-                log=lambda line: print(line, file=sys.stderr, flush=True))
+      run_suite(name, cases, emit, isolate=fv.isolate, log=log, previous=previous, rates=rates)
   except FlexjaxError as e:
     return report_error('suite', e)
   return 0

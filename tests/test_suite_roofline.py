@@ -1,0 +1,190 @@
+"""tools/roofline.py: the arithmetic on a hand-computed case, the rate probes on small sizes, and
+the roofline the suite gives its records."""
+
+import errno
+import os
+
+import pytest
+
+from flexjax import plan as plan_lib
+from flexjax.config import ModelConfig
+from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
+from tools import roofline, suite
+
+# 2 layers, hidden 4, ffn 8, vocab 10: every number below is worked out by hand.
+HAND = ModelConfig(name='hand', num_layers=2, hidden_size=4, num_heads=2, ffn_dim=8,
+                   vocab_size=10, max_positions=16)
+RATES = {'device': 'cpu:cpu', 'matmul_flops': {'float32': {'jax': 600.0, 'torch': 1000.0}},
+         'matmul_n': {'float32': {'jax': 512, 'torch': 512}}, 'host_device_bw': 1000.0,
+         'host_device_method': 'memcpy (numpy copyto)', 'disk_read_bw': 100.0,
+         'disk_write_bw': 50.0, 'disk': {'folder': '/x', 'file_bytes': 2**30, 'o_direct': True,
+                                         'chunk_bytes': 2**24, 'threads': 4, 'note': ''},
+         'measured_at': 'now'}
+
+
+# ---- arithmetic ----------------------------------------------------------------------------------
+def hand_work(**kw):
+  return roofline.work(HAND, batch=2, prompt_len=3, gen_len=3,
+                       weight_bytes={'disk_read': 100, 'host_device': 300},
+                       kv_rows={'device': 0, 'host': 1, 'disk': 1}, kv_token_bytes=8, **kw)
+
+
+def test_work_of_a_hand_computed_block():
+  w = hand_work()
+  # matmuls 2*(4*16 + 2*4*8) = 256 per token per layer; head 2*4*10 = 80 per sequence;
+  # causal prefill attention 4*4*(3*4/2) = 96 per layer: 2 * (2*(3*256 + 96) + 80)
+  assert w['prefill'].flops == 3616
+  # decode steps attend 4 and 5 positions: 2 * (2*(2*256 + 80) + 2*4*4*9)
+  assert w['decode'].flops == 2944
+  # one token's K and V in both layers: 2*8*2 = 32 bytes; prefill writes 3 tokens per off-device
+  # row; decode reads 3 + 4 cached positions and writes 2 tokens per off-device row
+  assert w['prefill'].bytes == {'disk_read': 100, 'disk_write': 96, 'host_device': 300 + 2 * 96}
+  assert w['decode'].bytes == {'disk_read': 2 * 100 + 7 * 32, 'disk_write': 2 * 32,
+                               'host_device': 2 * 300 + 2 * 2 * 32 + 2 * 7 * 32}
+
+
+def test_cpu_attention_keeps_the_offloaded_cache_off_the_device_link():
+  w = hand_work(cpu_attention=True)
+  assert w['decode'].bytes['host_device'] == 2 * 300 + 2 * 2 * 32  # writes only
+  assert w['decode'].bytes['disk_read'] == 2 * 100 + 7 * 32  # the disk rows are still read
+
+
+def test_roofline_takes_the_largest_term_per_phase_and_adds_the_phases():
+  r = roofline.roofline(hand_work(), flops_rate=1000, bandwidths=roofline.link_bandwidths(RATES),
+                        measured={'prefill': 7.232, 'decode': 8.48})
+  assert r['prefill']['bound'] == 'compute' and r['prefill']['roofline_s'] == pytest.approx(3.616)
+  assert r['prefill']['seconds']['disk_write'] == pytest.approx(96 / 50)
+  assert r['decode']['bound'] == 'disk_read' and r['decode']['roofline_s'] == pytest.approx(4.24)
+  assert r['prefill']['fraction'] == pytest.approx(0.5)
+  assert r['decode']['fraction'] == pytest.approx(0.5)
+  assert r['total'] == pytest.approx({'roofline_s': 7.856, 'measured_s': 15.712, 'fraction': 0.5})
+
+
+def test_compute_rate_is_the_fastest_framework_and_names_a_missing_dtype():
+  assert roofline.compute_rate(RATES, 'float32') == 1000
+  with pytest.raises(FlexjaxError, match="dtype='bfloat16'.*--dtypes=bfloat16"):
+    roofline.compute_rate(RATES, 'bfloat16')
+
+
+def test_policy_weight_bytes_follow_the_tiers_with_the_token_embedding_once():
+  sizes = plan_lib.Itemsizes(storage=2, compute=4, cache=4)
+  tokens = HAND.vocab_size * HAND.embed_dim * 2
+  stored = plan_lib.weight_totals(HAND, Policy(w_gpu_percent=0, w_cpu_percent=0), sizes).stored
+  unique = sum(stored.values()) - tokens  # weight_totals keeps a copy per stage
+  assert roofline.policy_weight_bytes(HAND, Policy(w_gpu_percent=0, w_cpu_percent=0), sizes) == {
+      'disk_read': unique, 'host_device': unique}
+  assert roofline.policy_weight_bytes(HAND, Policy(w_gpu_percent=0, w_cpu_percent=100),
+                                      sizes) == {'disk_read': 0, 'host_device': unique}
+  assert roofline.policy_weight_bytes(HAND, Policy(), sizes) == {'disk_read': 0, 'host_device': 0}
+
+
+def test_work_of_policy_counts_the_block_and_its_cache_rows():
+  policy = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=100,
+                  cache_gpu_percent=50, cache_cpu_percent=50)
+  sizes = plan_lib.Itemsizes(storage=2, compute=4, cache=4)
+  w = roofline.work_of_policy(HAND, policy, sizes, prompt_len=3, gen_len=3)
+  assert w['prefill'].flops == 2 * 3616  # a block of 4 sequences
+  kv_written = 2 * 3 * (2 * 16 * 2)  # 2 host rows x 3 tokens x (K and V, 16 bytes, 2 layers)
+  weights = roofline.policy_weight_bytes(HAND, policy, sizes)['host_device']
+  assert w['prefill'].bytes == {'disk_read': 0, 'disk_write': 0,
+                                'host_device': weights + kv_written}
+
+
+def test_work_of_accelerate_reads_its_disk_weights_as_stored():
+  kw = dict(batch=2, prompt_len=3, gen_len=3, placed={'device': 0, 'host': 400, 'disk': 800},
+            compute_itemsize=4, storage_itemsize=2)
+  on_cpu = roofline.work_of_accelerate(HAND, device_is_host=True, **kw)
+  assert on_cpu['decode'].bytes == {'disk_read': 2 * 400, 'disk_write': 0, 'host_device': 0}
+  on_gpu = roofline.work_of_accelerate(HAND, device_is_host=False, **kw)
+  assert on_gpu['prefill'].bytes['host_device'] == 400 + 400
+  assert on_gpu['prefill'].flops == hand_work()['prefill'].flops
+
+
+# ---- probes --------------------------------------------------------------------------------------
+def test_disk_probe_reads_the_whole_file_and_removes_it(tmp_path, monkeypatch):
+  reads = []
+  preadv = os.preadv
+
+  def spy(fd, buffers, offset):
+    n = preadv(fd, buffers, offset)
+    reads.append((offset, n))
+    return n
+
+  monkeypatch.setattr(os, 'preadv', spy)
+  probe = roofline.disk_bandwidth(str(tmp_path), file_bytes=8 * 2**20 + 4096,
+                                  chunk_bytes=2**20, threads=3)
+  assert probe.read_bw > 0 and probe.write_bw > 0
+  assert probe.file_bytes == 8 * 2**20 + 4096 and probe.threads == 3
+  assert isinstance(probe.o_direct, bool) and (probe.note == '') is probe.o_direct
+  timed = sorted(reads[1:] if probe.o_direct else reads)  # O_DIRECT: a 4 KiB probe read first
+  assert [o for o, _ in timed] == [i * 2**20 for i in range(9)]
+  assert sum(n for _, n in timed) == probe.file_bytes  # the last chunk is 4 KiB
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_probe_falls_back_to_buffered_reads_where_o_direct_is_refused(tmp_path, monkeypatch):
+  real_open = os.open
+
+  def refuse_direct(path, flags, *args):
+    if flags & getattr(os, 'O_DIRECT', 0):
+      raise OSError(errno.EINVAL, 'Invalid argument')
+    return real_open(path, flags, *args)
+
+  monkeypatch.setattr(os, 'open', refuse_direct)
+  probe = roofline.disk_bandwidth(str(tmp_path), file_bytes=2**20, chunk_bytes=2**18, threads=2)
+  assert probe.o_direct is False and probe.read_bw > 0
+  assert 'EINVAL' in probe.note and 'page cache' in probe.note
+
+
+def test_disk_probe_errors_name_the_value(tmp_path):
+  with pytest.raises(FlexjaxError, match='chunk_bytes=1000'):
+    roofline.disk_bandwidth(str(tmp_path), file_bytes=2**20, chunk_bytes=1000)
+  with pytest.raises(FlexjaxError, match='does not exist'):
+    roofline.disk_bandwidth(str(tmp_path / 'missing'), file_bytes=2**20)
+  with pytest.raises(FlexjaxError, match='lower --file_gib'):
+    roofline.disk_bandwidth(str(tmp_path), file_bytes=2**60)
+
+
+def test_measure_rates_on_small_sizes(tmp_path):
+  rates = roofline.measure_rates(folder=str(tmp_path), file_bytes=2**20, chunk_bytes=2**18,
+                                 matmul_max_n=128, copy_bytes=2**20)
+  assert rates['matmul_n'] == {'float32': {'jax': 128}}
+  assert rates['matmul_flops']['float32']['jax'] > 0
+  assert rates['host_device_bw'] > 0 and rates['host_device_method'].startswith('memcpy')
+  assert rates['disk_read_bw'] > 0 and rates['disk']['file_bytes'] == 2**20
+  text = roofline.format_rates(rates)
+  assert 'matmul float32: jax' in text and 'disk read' in text and 'o_direct=' in text
+
+
+# ---- suite records -------------------------------------------------------------------------------
+TINY = {'name': 'tiny', 'num_layers': 2, 'hidden_size': 64, 'num_heads': 4, 'ffn_dim': 128,
+        'vocab_size': 1000, 'max_positions': 128}
+
+
+def test_suite_records_get_their_roofline(tmp_path):
+  case = suite.check_case({**suite.DEFAULTS, 'name': 'fj', 'system': 'flexjax', 'model': TINY,
+                           'prompt_len': 8, 'gen_len': 3, 'page_cache': 'warm',
+                           'offload_dir': str(tmp_path), 'policy': {
+                               'gpu_batch_size': 2, 'w_gpu_percent': 0, 'w_cpu_percent': 50}})
+  records = suite.run_suite('t', [case], lambda _: None, isolate=False, log=lambda _: None,
+                            rates=RATES)
+  r = records[0]
+  assert r['status'] == 'ok' and r['rates'] == RATES
+  assert r['roofline_s'] == pytest.approx(r['roofline']['total']['roofline_s'])
+  assert r['roofline_fraction'] == pytest.approx(r['roofline_s'] / r['latency_s'])
+  assert r['roofline']['decode']['bytes']['disk_read'] > 0  # half the weights on disk
+  assert r['roofline']['rates']['compute_flops'] == 1000
+
+
+def test_accelerate_and_failed_records():
+  record = {'system': 'accelerate', 'status': 'ok', 'spec': {'model': TINY}, 'prompt_len': 8,
+            'gen_len': 3, 'num_prompts': 2, 'compute_dtype': 'float32',
+            'weight_storage_dtype': 'float16', 'device': 'cpu', 'prefill_s': 1.0, 'decode_s': 2.0,
+            'peak_bytes': {'device': 0, 'host': 1000, 'disk': 4000}}
+  r = suite.with_roofline(record, RATES)
+  assert r['roofline']['decode']['bytes']['disk_read'] == 2 * 2000
+  assert r['roofline']['decode']['bytes']['host_device'] == 0
+  failed = suite.with_roofline({'system': 'flexjax', 'status': 'failed'}, RATES)
+  assert failed['roofline_fraction'] is None and failed['rates'] == RATES
+  assert suite.with_roofline(record, None) is record
