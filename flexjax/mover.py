@@ -201,11 +201,17 @@ class Mover:
       host = stored
     self.storage.reserve('device', stored.nbytes, 'weights.transfer')
     try:
-      moved = jax.device_put(host, self.storage.device)
-      finish = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
-                if packed else self.steps.cast(moved))
-      out = finish.block_until_ready()
-      del moved, host
+      if self.device_is_host and not packed and host.dtype != self.steps.compute:
+        # On a CPU backend the cast runs on the I/O threads and the result is taken as is
+        # (an aligned host array becomes a device array without a copy).
+        out = jax.device_put(self.reader.convert(host, self.steps.compute), self.storage.device)
+      else:
+        moved = jax.device_put(host, self.storage.device)
+        out = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
+               if packed else self.steps.cast(moved))
+        del moved
+      out = out.block_until_ready()
+      del host
     finally:
       self.storage.free('device', stored.nbytes, 'weights.transfer')
     self.stats['bytes_moved']['weights'] += stored.nbytes
