@@ -117,7 +117,8 @@ class Engine:
   Args:
     weights: a Checkpoint or DummyWeights.
     policy: placement and schedule (default: everything on the device, one GPU batch of 8).
-    compute_dtype: dtype of the layer math (float32 is fastest and exact on the CPU backend).
+    compute_dtype: dtype of the layer math (default: hardware.default_compute_dtype of the
+      device: float16 on a GPU, float32 on the CPU backend, where it is fastest and exact).
     cache_dtype: KV cache dtype (default: compute_dtype).
     budgets: bytes per tier ('device', 'host', 'disk', and 'ram': device and host together on
       a CPU backend); None or a missing key: unlimited.
@@ -134,7 +135,7 @@ class Engine:
   """
 
   def __init__(self, weights: WeightSource, *, policy: Policy = Policy(),
-               compute_dtype: str = 'float32', cache_dtype: str | None = None,
+               compute_dtype: str | None = None, cache_dtype: str | None = None,
                device: jax.Device | None = None, budgets: dict[str, int | None] | None = None,
                overhead: plan_lib.Overhead | None = None,
                planner: plan_lib.Planner | None = None, offload_dir: str | None = None,
@@ -143,9 +144,10 @@ class Engine:
     self.config: ModelConfig = weights.config
     self.policy = policy
     self.weight_dtype = weights.dtype
+    self.device = device or jax.devices()[0]
+    compute_dtype = compute_dtype or hardware.default_compute_dtype(self.device.platform)
     self.compute_dtype = compute_dtype
     self.cache_dtype = cache_dtype or compute_dtype
-    self.device = device or jax.devices()[0]
     self.cpu = hardware.cpu_device()
     self.budgets = dict(budgets or {})
     self.planner = planner or plan_lib.Planner(
@@ -205,8 +207,10 @@ class Engine:
       policy: batch geometry, cache/hidden placement, overlap and CPU attention for this call
         (default: the engine's); its weight percentages must equal the engine's, which placed
         the weights at construction.
-      warmup: run two steps of one GPU batch first, untimed (the plan has already compiled
-        every step function at its shapes).
+      warmup: accepted for callers that ask for a warm-up; there is always one, and it runs
+        nothing: every function the run calls is compiled at its real shapes first
+        (plan.Planner.compile_run: mostly the plan's own compiles), and jax's jit reuses those
+        executables.
       forced_tokens: [num_prompts, gen_len] ids to emit instead of sampling (teacher forcing:
         the logits then score a given continuation through the decode path, KV cache
         compression and sparse attention included).
@@ -233,11 +237,9 @@ class Engine:
     if forced_tokens is not None:
       forced_tokens = np.concatenate([forced_tokens, np.full(
           (padded_n - n, gen.gen_len), self.config.pad_token_id, np.int32)])
-    if warmup:  # one GPU batch, two steps, untimed
-      first = dataclasses.replace(policy, num_gpu_batches=1)
-      self._run_block(first, tokens[:first.block_size], mask[:first.block_size], n, gen, 0,
-                      max_steps=min(2, gen.gen_len), return_logits=False, forced=None,
-                      clock=Clock(enabled=False))
+    del warmup  # the run's warm-up is compiling, always (the plan compiled most of it)
+    self.planner.compile_run(policy, prompt_len=prompt_len, gen_len=gen.gen_len,
+                             temperature=gen.temperature, top_p=gen.top_p)
     self.stats = _new_stats(self.config)
     for account in self.storage.accounts.values():
       account.peak = account.current
@@ -269,7 +271,7 @@ class Engine:
   def _call_policy(self, policy: Policy | None) -> Policy:
     policy = policy or self.policy
     for name in ('w_gpu_percent', 'w_cpu_percent', 'compress_weight', 'compress_cache',
-                 'compress_bits', 'compress_group_size', 'attn_sparsity'):
+                 'compress_bits', 'compress_group_size', 'attn_sparsity', 'placement'):
       if getattr(policy, name) != getattr(self.policy, name):
         raise FlexjaxError(f'policy {name}={getattr(policy, name)} differs from the engine\'s '
                            f'{getattr(self.policy, name)}; weight placement and the '
@@ -288,7 +290,7 @@ class Engine:
     batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
                           mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
                           return_logits=return_logits, forced=forced)
-    key = jax.random.fold_in(jax.random.key(gen.seed), block_index)
+    key = (gen.seed, block_index)  # the head step derives the sampling key from these
     mover.start()
     try:
       prefill_s, decode_s = executor.execute(batches, gen, key, max_steps)

@@ -9,15 +9,13 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.mover import Mover
 from flexjax.policy import Policy
 from flexjax.schedule import Step, block_schedule
-from flexjax.steps import Steps
+from flexjax.steps import Geometry, StepInputs, Steps
 from flexjax.storage import SplitArray, Storage
 
 
@@ -37,6 +35,9 @@ class Batch:
   caches: list[tuple[SplitArray, SplitArray]]
   forced: np.ndarray | None = None  # [b, gen_len] tokens to emit instead of samples
   steps: int = 0
+  geometry: Geometry | None = None
+  prompt_mask: jax.Array | None = None  # `mask` on the device (prefill)
+  step_inputs: StepInputs | None = None  # the next decode step's masks and slot, where read
 
   def close(self) -> None:
     for pair in self.caches:
@@ -67,7 +68,10 @@ def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps
                   else None),
           hidden=SplitArray(storage, (b, s, cfg.hidden_size), steps.compute,
                             policy.rows('act'), preallocate_device=False, kind='hidden'),
-          caches=[], forced=None if forced is None else forced[rows])
+          caches=[], forced=None if forced is None else forced[rows],
+          geometry=Geometry.of(policy, prompt_len=s, gen_len=gen_len))
+      batch.prompt_mask = jax.device_put(np.array(batch.mask), steps.device)
+      batch.step_inputs = steps.step_inputs(batch.geometry, cache_mask, slot=s)
       batches.append(batch)
       for _ in range(cfg.num_layers):
         batch.caches.append(tuple(
@@ -106,6 +110,7 @@ class Executor:
     self.cfg, self.policy, self.steps, self.mover = cfg, policy, steps, mover
     self.device, self.cpu = device, cpu
     self.num_stages = cfg.num_layers + 2
+    self._cache_stores: collections.deque = collections.deque()  # per step: write futures
 
   def execute(self, batches: list[Batch], gen, key, max_steps: int) -> tuple[float, float]:
     """Runs a block's steps. Returns (prefill seconds, decode seconds)."""
@@ -166,6 +171,9 @@ class Executor:
     finally:
       for future in releases:
         future.result()
+      # the last steps' cache write-backs finish before the mover stops its threads
+      concurrent.futures.wait([f for futures in self._cache_stores for f in futures])
+      self._cache_stores.clear()
       for future in inputs.values():
         mover.release(future.result())
       for future in weights.values():
@@ -178,13 +186,13 @@ class Executor:
   # ---- per-step work ----------------------------------------------------------------------------
   def _compute(self, step: Step, batch: Batch, params, inputs: dict, gen, key):
     """Dispatches one step. Returns (its output, a future of the release of its loaded inputs
-    or None)."""
+    or None). `key` is (seed, block index): the sampling key is derived inside the head step."""
     stage, token, steps, mover = step.stage, step.token, self.steps, self.mover
     s = batch.tokens.shape[1]
     if stage == self.num_stages - 1:
-      logits = steps.head(params, inputs['hidden'])
-      sample = steps.sample(logits, jax.random.fold_in(key, token),
-                            temperature=gen.temperature, top_p=gen.top_p)
+      logits, sample = steps.head_step(params, inputs['hidden'],
+                                       self._put(np.array([*key, token], np.uint32)),
+                                       temperature=gen.temperature, top_p=gen.top_p)
       chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
       batch.out[:, token] = np.where(batch.finished, self.cfg.pad_token_id, chosen)
       if batch.logits is not None:
@@ -195,6 +203,7 @@ class Executor:
       mover.release(inputs)
       return logits, None
     mover.begin_step_stores()
+    self._begin_cache_stores()
     if stage == 0:
       if token == 0:
         ids, positions = batch.tokens, np.cumsum(batch.mask, axis=1) * batch.mask - 1
@@ -207,59 +216,62 @@ class Executor:
       return y, None
     x = inputs['hidden']
     k_cache, v_cache = batch.caches[stage - 1]
+    caches = (k_cache.device, v_cache.device) if k_cache.rows['device'] else None
     if token == 0:
-      y, (k, v) = steps.prefill(params, x, self._put(batch.mask))
+      y, caches, written = steps.prefill_step(batch.geometry, params, x, caches,
+                                              batch.prompt_mask)
       slot = 0
     else:
-      y, (k, v) = self._decode(params, x, batch, k_cache, v_cache, inputs.get('cache'))
+      gather_v = lambda positions, device: mover.gather_v(v_cache, positions, device)
+      y, caches, written = steps.decode_step(batch.geometry, params, x, caches,
+                                             batch.step_inputs, inputs.get('cache'), gather_v)
       slot = s + token - 1
-    mover.clock.ready((y, k, v))
+    if caches is not None:
+      k_cache.device, v_cache.device = caches
+    mover.clock.ready((y, caches, written))
     # The loaded inputs stay in use until the step has run (dispatch is asynchronous): their
     # bytes are returned by the store thread once the outputs exist.
     released = mover.release_when_ready(inputs, y)
-    mover.store_cache(k_cache, k, slot)
-    mover.store_cache(v_cache, v, slot)
+    if written is not None:
+      with mover.clock.part('cache_write'):
+        for cache, rows in zip((k_cache, v_cache), written):
+          self._store_offloaded(cache, rows, slot)
     mover.store_hidden(batch.hidden, y)
     return y, released
 
-  def _decode(self, params, x, batch: Batch, k_cache: SplitArray, v_cache: SplitArray, loaded):
-    """A decode step of one layer. Device cache rows attend on the device; offloaded rows attend
-    where `loaded` lives (the CPU backend with cpu_attention, else the device)."""
-    steps = self.steps
-    q, k, v = steps.qkv(params, x)
-    d = k_cache.rows['device']
-    parts = []
-    if d:
-      parts.append(self._attention(q[:d], k[:d], v[:d], k_cache.device, batch.cache_mask[:d],
-                                   v_dense=v_cache.device,
-                                   v_rows=lambda pos: steps.take_rows(v_cache.device, pos),
-                                   backend=self.device))
-    if loaded is not None:
-      backend = self.cpu if self.policy.cpu_attention else self.device
-      to = lambda a: jax.device_put(a[d:], backend)
-      out = self._attention(to(q), to(k), to(v), loaded[0], batch.cache_mask[d:],
-                            v_dense=loaded[1],
-                            v_rows=lambda pos: self.mover.gather_v(v_cache, pos, backend),
-                            backend=backend)
-      parts.append(jax.device_put(out, self.device))
-    attn = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return steps.out(params, x, attn), (k[:, None], v[:, None])
+  def _begin_cache_stores(self) -> None:
+    """Starts a step's cache write-backs: waits for those of older steps, so the offloaded rows
+    of at most two steps (one without overlap) wait to be written (the plan's 'store.pending')."""
+    keep = 1 if self.policy.overlap else 0
+    while len(self._cache_stores) > keep:
+      for future in self._cache_stores.popleft():
+        future.result()
+    self._cache_stores.append([])
 
-  def _attention(self, q, k, v, k_cache, cache_mask: np.ndarray, *, v_dense, v_rows, backend):
-    """Dense attention, or sparse: scores against all of K, then only the kept V rows."""
-    mask = jax.device_put(np.array(cache_mask), backend)
-    if self.policy.attn_sparsity == 1:
-      return self.steps.attend(q, k, v, k_cache, v_dense, mask)
-    keep = plan_lib.sparse_keep(self.policy, cache_mask.shape[1])
-    scores, positions = self.steps.select(q, k, k_cache, mask, keep=keep)
-    return self.steps.attend_selected(scores, positions, v_rows(positions), v)
+  def _store_offloaded(self, cache: SplitArray, rows: jax.Array, slot: int) -> None:
+    """Writes the offloaded rows' new entries [offloaded rows, n, entry] (a step's output) to
+    their host and disk tiers at time `slot`, on the store thread."""
+    d = cache.rows['device']
+
+    def write():
+      # write_offloaded takes a whole batch's rows and writes rows [d:]; rows [0, d) stay unset
+      host = np.empty((d + rows.shape[0], *rows.shape[1:]), cache.dtype)
+      host[d:] = np.asarray(rows)
+      cache.write_offloaded(host, slot)
+
+    cache.wait()
+    cache.pending = self.mover.workers['store'].submit(write)
+    self._cache_stores[-1].append(cache.pending)
 
   def _end_token(self, token: int, batches: list[Batch]) -> None:
-    """After the last stage of a token: the new slot of every cache becomes visible."""
+    """After the last stage of a token: the new slot of every cache becomes visible; the next
+    token's step inputs (mask and slot) go to where the steps read them, once per batch."""
     s = batches[0].tokens.shape[1]
     if token > 0:
       for batch in batches:
         batch.cache_mask[:, s + token - 1] = True
+        batch.step_inputs = self.steps.step_inputs(batch.geometry, batch.cache_mask,
+                                                   slot=s + token)
 
   def _put(self, array) -> jax.Array:
     """A small per-step input on the device, copied (the CPU backend may alias host buffers

@@ -25,7 +25,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer('dummy_seed', 0, 'Seed of the dummy weights.', **f)
   flags.DEFINE_enum('dtype', None, list(DTYPES), 'Dtype weights are kept in (default: the '
                     'checkpoint\'s; float16 for dummy weights).', **f)
-  flags.DEFINE_enum('compute_dtype', 'float32', list(DTYPES), 'Dtype of the layer math.', **f)
+  flags.DEFINE_enum('compute_dtype', None, list(DTYPES), 'Dtype of the layer math (default: '
+                    'float16 on a GPU, float32 on the CPU backend).', **f)
   flags.DEFINE_enum('cache_dtype', None, list(DTYPES), 'KV cache dtype (default: compute).', **f)
   flags.DEFINE_string('prompt_file', None, 'Prompts: .txt (one per line, needs a tokenizer) or '
                       '.jsonl ({"prompt": text} or {"tokens": [ids]} per line). Default: '
@@ -39,7 +40,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer('seed', 0, 'Sampling seed.', **f)
   flags.DEFINE_bool('stop_at_eos', True, 'Stop a sequence at EOS (pads the rest).', **f)
   flags.DEFINE_string('output', None, 'Write generations here as JSON lines.', **f)
-  flags.DEFINE_bool('warmup', True, 'Compile on the first batch before timing.', **f)
+  flags.DEFINE_bool('warmup', True, 'Compile every step at its real shapes before timing (the '
+                    'plan always does: kept for scripts that pass it).', **f)
   define_policy_flags(fv)
 
 

@@ -94,10 +94,50 @@ def _interpolate(table: dict[int, float], rows: int) -> float:
   return float(np.interp(np.log(rows), x, [table[s] for s in sizes]))
 
 
+GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
+
+
+def default_compute_dtype(platform: str) -> str:
+  """The layer math's dtype when none is asked for: float16 on a GPU (half the bytes to move and
+  store, tensor cores), float32 on the CPU backend (fastest and exact there: XLA:CPU widens
+  float16 math anyway)."""
+  return 'float16' if platform in GPU_PLATFORMS else 'float32'
+
+
+def with_cpu_platform(platforms: str | None) -> str | None:
+  """A jax_platforms value (JAX_PLATFORMS) that also starts the CPU backend: 'cuda' ->
+  'cuda,cpu' (the first stays the default device). None or '' (every platform jax finds, the
+  CPU included) is kept."""
+  if not platforms:
+    return platforms
+  names = [name.strip() for name in platforms.split(',') if name.strip()]
+  return ','.join(names if 'cpu' in names else names + ['cpu'])
+
+
+def include_cpu_platform() -> None:
+  """Makes jax start its CPU backend beside the platforms JAX_PLATFORMS names (flexjax runs CPU
+  attention and quantization there). Takes effect before jax's first backend use; call it at
+  program start."""
+  import jax
+  platforms = jax.config.jax_platforms
+  wanted = with_cpu_platform(platforms)
+  if wanted != platforms:
+    jax.config.update('jax_platforms', wanted)
+
+
 def cpu_device():
   """The host CPU as a jax device (CPU attention, quantization while placing)."""
   import jax
-  return jax.devices('cpu')[0]
+  try:
+    return jax.devices('cpu')[0]
+  except RuntimeError:
+    platforms = jax.config.jax_platforms
+    if with_cpu_platform(platforms) == platforms:  # the CPU was asked for: another failure
+      raise
+    raise FlexjaxError(
+        f'jax has no CPU backend (JAX_PLATFORMS={jax.config.jax_platforms!r}) and flexjax needs '
+        'it for CPU attention and quantization; add cpu to it (e.g. JAX_PLATFORMS=cuda,cpu) or '
+        'unset JAX_PLATFORMS') from None
 
 
 def runtime_overhead(platform: str, profile: 'HardwareProfile | None' = None):

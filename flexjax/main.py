@@ -8,6 +8,7 @@ import sys
 from absl import app
 
 from flexjax import flags as flags_lib
+from flexjax import hardware
 from flexjax.errors import FlexjaxError
 
 
@@ -18,6 +19,7 @@ def main(argv) -> int:
     return 2
   flags_lib.quiet_library_logs()
   logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no backend probing chatter
+  hardware.include_cpu_platform()  # JAX_PLATFORMS=cuda would leave out the CPU backend
   from flexjax.run import run
   try:
     rc = flags_lib.run_config_from_flags()

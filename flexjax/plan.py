@@ -320,7 +320,6 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   cr, ar = shares.cache_rows, shares.act_rows
   off_cache = cr['host'] + cr['disk']
   off_act = ar['host'] + ar['disk']
-  host_for_attention = 'host' if policy.cpu_attention else 'device'
   out = [
       # on a CPU backend the runtime's own memory is RAM beside the (simulated) device tier
       Buffer('runtime', 'host' if shape.device_is_host else 'device', overhead.runtime, 1,
@@ -372,9 +371,10 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   ]
   if not shape.device_is_host:  # on a CPU backend these are the host buffers themselves
     out += [
-        Buffer('cache.loaded', host_for_attention, 0 if policy.cpu_attention
-               else kv_read * off_cache, inputs_alive, ('decode',),
-               'offloaded KV rows copied to the device for attention'),
+        Buffer('cache.loaded', 'device', kv_read * off_cache if not policy.cpu_attention
+               else (kept * row if policy.attn_sparsity < 1 else 0) * off_cache, inputs_alive,
+               ('decode',), 'offloaded KV rows copied to the device for attention (with '
+               'cpu_attention, the V rows sparse attention keeps)'),
         Buffer('store.host_copy', 'host', s * (2 * row * off_cache + hid * off_act), 1, RUN,
                'offloaded rows of a step copied to RAM for write-back'),
     ]
@@ -577,6 +577,7 @@ class Planner:
     self.overhead = overhead
     self._steps: dict[tuple, Any] = {}
     self._working: dict[tuple, dict] = {}
+    self._compiled_rest: set[tuple] = set()  # runs whose compile_run is done
 
   @classmethod
   def for_sizes(cls, cfg: ModelConfig, sizes: Itemsizes, *, device_is_host: bool,
@@ -610,26 +611,45 @@ class Planner:
     """XLA bytes per step kind at these shapes (compiled once per planner; the compiled steps
     are the run's warm-up, see steps.Steps.working_memory)."""
     from flexjax.steps import Geometry
-    layouts = [stage_layout(self.cfg, policy, self.sizes, stage)
-               for stage in distinct_stages(self.cfg)]
+    totals = weight_totals(self.cfg, policy, self.sizes)
     largest_tensor = None
     if policy.compress_weight:
-      largest_tensor = max((slot.shape for layout in layouts for slot in layout if slot.packed),
-                           key=lambda shape: int(np.prod(shape)))
-    loads = tuple(sorted({((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
-                           slot.shape[-1]) if slot.packed else (slot.shape, None)
-                          for layout in layouts for slot in layout if slot.tier != 'device'},
-                         key=repr))
+      largest_tensor = max((slot.shape for stage in distinct_stages(self.cfg)
+                            for slot in stage_layout(self.cfg, policy, self.sizes, stage)
+                            if slot.packed), key=lambda shape: int(np.prod(shape)))
     geom = Geometry(rows=rows, device_rows=device_rows, cpu_attention=cpu_attention,
                     prompt_len=prompt_len, total_len=prompt_len + gen_len - 1)
-    key = (_approximations(policy), geom, temperature, top_p, loads, largest_tensor)
+    key = (_approximations(policy), geom, temperature, top_p, totals.largest_load,
+           largest_tensor)
     if key not in self._working:
       working = self.steps(policy).working_memory(
           params=param_specs(self.cfg, policy, self.sizes, self.compile_dtypes['compute_dtype']),
-          geom=geom, temperature=temperature, top_p=top_p, loads=loads,
+          geom=geom, temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
           largest_tensor=largest_tensor)
       self._working[key] = {k: v.scaled(self.scale) for k, v in working.items()}
     return self._working[key]
+
+  def compile_run(self, policy: Policy, *, prompt_len: int, gen_len: int,
+                  temperature: float = 0.0, top_p: float = 1.0) -> None:
+    """Compiles every function a run of `policy` calls (the run's warm-up: jax's jit reuses
+    the executables): its plan's steps (`working`), then the rest (steps.Steps.compile_rest),
+    among them the cast of every distinct weight tensor, or part of one, that it loads."""
+    self.working(policy, rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
+                 cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
+                 temperature=temperature, top_p=top_p)
+    loads = tuple(sorted({((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
+                           slot.shape[-1]) if slot.packed else (slot.shape, None)
+                          for stage in distinct_stages(self.cfg)
+                          for slot in stage_layout(self.cfg, policy, self.sizes, stage)
+                          if slot.tier != 'device'}, key=repr))
+    from flexjax.steps import Geometry
+    geom = Geometry.of(policy, prompt_len=prompt_len, gen_len=gen_len)
+    key = (_approximations(policy), geom, temperature, top_p, loads)
+    if key not in self._compiled_rest:
+      self.steps(policy).compile_rest(
+          params=param_specs(self.cfg, policy, self.sizes, self.compile_dtypes['compute_dtype']),
+          geom=geom, temperature=temperature, top_p=top_p, loads=loads)
+      self._compiled_rest.add(key)
 
   def xla(self, policy: Policy, *, prompt_len: int, gen_len: int, temperature: float = 0.0,
           top_p: float = 1.0, estimate: bool = False) -> dict[str, Any]:

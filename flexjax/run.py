@@ -35,7 +35,7 @@ class RunConfig:
   checkpoint: str | None = None
   dummy_seed: int = 0
   dtype: str | None = None  # stored weight dtype; None: checkpoint's, float16 for dummy weights
-  compute_dtype: str = 'float32'
+  compute_dtype: str | None = None  # None: hardware.default_compute_dtype of the device
   cache_dtype: str | None = None
   prompt_file: str | None = None
   prompt_len: int = 128
@@ -197,6 +197,7 @@ def run(rc: RunConfig) -> dict[str, Any]:
   """Runs the job; returns the report (also what main prints)."""
   import jax
 
+  hardware.include_cpu_platform()  # before jax's first backend use (when run is the first)
   source, tokenizer = load_weights(rc)
   cfg = source.config
   if rc.prompt_file:
@@ -213,13 +214,14 @@ def run(rc: RunConfig) -> dict[str, Any]:
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
   device = jax.devices()[0]
+  compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
   watch = MemoryWatch.start(device)  # the idle process, before anything is planned
   budgets = detected_budgets(rc, device)
   profile = resolve_profile(rc.hw_profile, device, measure_if_missing=rc.policy_mode == 'auto',
                             scratch_dir=rc.offload_dir)
   planner = plan_lib.Planner(
-      cfg, storage_dtype=source.dtype, compute_dtype=rc.compute_dtype,
-      cache_dtype=rc.cache_dtype or rc.compute_dtype, device=device,
+      cfg, storage_dtype=source.dtype, compute_dtype=compute_dtype,
+      cache_dtype=rc.cache_dtype or compute_dtype, device=device,
       cpu=hardware.cpu_device(),
       overhead=hardware.runtime_overhead(device.platform,
                                          profile if profile and profile.name.startswith(
@@ -245,7 +247,7 @@ def run(rc: RunConfig) -> dict[str, Any]:
     prompts = synthetic_prompts(cfg, rc.num_prompts or policy.block_size, prompt_len,
                                 seed=rc.generation.seed)
     texts = [None] * len(prompts)
-  with Engine(source, policy=policy, compute_dtype=rc.compute_dtype,
+  with Engine(source, policy=policy, compute_dtype=compute_dtype,
               cache_dtype=rc.cache_dtype, device=device, budgets=budgets, planner=planner,
               offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
               weights_cache=rc.weights_cache, io_threads=rc.io_threads,

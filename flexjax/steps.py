@@ -1,10 +1,16 @@
-"""Layer steps: the pure model functions jitted once per run, and the XLA working memory of each,
-read from the compiled function itself (the execution plan's source for it)."""
+"""Layer steps: the pure step functions jitted once per run, the calls a run makes of them (a decode
+step of one layer is one to three XLA executions), and XLA's working memory of each call, read
+from the very functions the run calls (the execution plan's source for it).
+
+Compiling them at the run's real shapes, with the shardings the run's arguments have, is also the
+run's warm-up: jax's jit call path reuses those executables (plan.Planner.compile_run).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +19,9 @@ import numpy as np
 from flexjax import quant as quant_lib
 from flexjax.config import ModelConfig, np_dtype
 from flexjax.model import opt
+from flexjax.plan import sparse_keep
 from flexjax.policy import Policy
+from flexjax.quant import QuantConfig
 from flexjax.sampler import next_token
 
 
@@ -39,11 +47,72 @@ class StepMemory:
                       output=max(0, int(stats.output_size_in_bytes - stats.alias_size_in_bytes)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """The shapes of a run's layer steps: one GPU batch and how its KV cache rows are split."""
+
+  rows: int  # sequences of a GPU batch
+  device_rows: int  # of them, the rows whose KV cache lives on the device (the first ones)
+  cpu_attention: bool  # the other rows attend on the CPU backend, next to their cache
+  prompt_len: int
+  total_len: int  # cache positions: prompt + generated tokens - 1
+
+  @property
+  def offloaded_rows(self) -> int:
+    return self.rows - self.device_rows
+
+  @staticmethod
+  def of(policy: Policy, *, prompt_len: int, gen_len: int) -> 'Geometry':
+    return Geometry(rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
+                    cpu_attention=policy.cpu_attention, prompt_len=prompt_len,
+                    total_len=prompt_len + gen_len - 1)
+
+
+class StepInputs(NamedTuple):
+  """A GPU batch's per-token inputs of its decode steps, kept where the steps read them (put
+  there once per token, not once per layer)."""
+
+  mask: jax.Array  # [b, t] bool on the device: cache positions holding a real token
+  offloaded_mask: jax.Array | None  # [offloaded rows, t] bool on the CPU backend (cpu_attention)
+  slot: jax.Array  # int32 [] on the device: the position the new token's K and V go to
+
+
+class _Run:
+  """Calls step functions: the executor's mode of the step sequences below."""
+
+  def __call__(self, fn, *args, on: str = 'device', **static):
+    del on
+    return fn(*args, **static)
+
+  def move(self, tree, device: jax.Device):
+    return jax.device_put(tree, device)
+
+
+class _Compile:
+  """Compiles step functions at argument specs instead of calling them (the plan's mode): keeps
+  XLA's bytes of each call per backend and returns its outputs as specs."""
+
+  def __init__(self, devices: dict[str, jax.Device]):
+    self.devices = devices
+    self.parts: dict[str, list[StepMemory]] = {name: [] for name in devices}
+
+  def __call__(self, fn, *args, on: str = 'device', **static):
+    compiled = fn.lower(*args, **static).compile()
+    self.parts[on].append(StepMemory.of(compiled))
+    return self.move(compiled.out_info, self.devices[on])
+
+  def move(self, tree, device: jax.Device):
+    return jax.tree.map(lambda s: _spec(s.shape, s.dtype, device), tree)
+
+
+RUN = _Run()
+
+
 class Steps:
-  """The jitted step functions of one model, policy and dtype set.
+  """The jitted step functions of one model, policy and dtype set, and the calls a run makes.
 
   Every function is jitted once; its shapes are static within a run (the KV cache is allocated
-  at its full length), so the warm-up compile (`working_memory`) serves every later call.
+  at its full length), so the compiles of `working_memory` and `compile_rest` serve every call.
   """
 
   def __init__(self, cfg: ModelConfig, policy: Policy, *, storage_dtype: str, compute_dtype: str,
@@ -54,110 +123,343 @@ class Steps:
     self.cache = np_dtype(cache_dtype)
     self.device, self.cpu = device, cpu
     kw = dict(cfg=cfg, compute_dtype=self.compute)
-    cache_kw = dict(kw, cache_dtype=self.cache)
     cache_quant = policy.quant if policy.compress_cache else None
+    layer_kw = dict(kw, cache_dtype=self.cache, cache_quant=cache_quant)
+    attend_kw = dict(cfg=cfg, cache_quant=cache_quant)
     self.embed = jax.jit(functools.partial(opt.embed, **kw))
-    self.head = jax.jit(functools.partial(_head_last, **kw))
-    self.prefill = jax.jit(functools.partial(opt.decoder_prefill, **cache_kw))
-    self.qkv = jax.jit(functools.partial(opt.decode_qkv, **cache_kw))
-    self.attend = jax.jit(functools.partial(opt.decode_attend, cfg=cfg, cache_quant=cache_quant))
-    self.select = jax.jit(functools.partial(opt.decode_select, cfg=cfg, cache_quant=cache_quant),
-                          static_argnames=('keep',))
-    self.attend_selected = jax.jit(functools.partial(opt.decode_attend_selected, cfg=cfg,
-                                                     cache_quant=cache_quant))
+    self.head = jax.jit(functools.partial(head_sample, **kw),
+                        static_argnames=('temperature', 'top_p'))
+    self.prefill_layer = jax.jit(functools.partial(prefill_layer, **layer_kw),
+                                 static_argnames=('device_rows',), donate_argnums=(2,))
+    self.decode_layer = jax.jit(functools.partial(decode_layer, **layer_kw),
+                                static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
+    self.decode_front = jax.jit(functools.partial(decode_front, **layer_kw),
+                                static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
+    self.decode_back = jax.jit(functools.partial(decode_back, **attend_kw,
+                                                 compute_dtype=self.compute))
+    self.offloaded_attend = jax.jit(functools.partial(opt.decode_attend, **attend_kw))
+    self.offloaded_select = jax.jit(functools.partial(opt.decode_select, **attend_kw),
+                                    static_argnames=('keep',))
+    # Whole-prompt scoring (Engine.score), weight loading and placing.
+    self.prefill = jax.jit(functools.partial(opt.decoder_prefill, **kw, cache_dtype=self.cache))
     self.quantize = jax.jit(functools.partial(quant_lib.quantize, config=policy.quant))
-    self.out = jax.jit(functools.partial(opt.decode_out, **kw))
-    self.write_kv = jax.jit(_write_kv, donate_argnums=(0,))
-    self.take_rows = jax.jit(_take_rows)
-    self.sample = jax.jit(next_token, static_argnames=('temperature', 'top_p'))
+    self.write_kv = jax.jit(_write, donate_argnums=(0,))
     self.cast = jax.jit(lambda a: a.astype(self.compute))
     self.dequantize = jax.jit(lambda p: quant_lib.unpack(p, self.compute))
 
-  # ---- working memory ---------------------------------------------------------------------------
   def cache_entry(self) -> tuple[int, np.dtype]:
     """Last axis and dtype of a stored KV cache entry (byte rows when compressed)."""
     if self.policy.compress_cache:
       return self.policy.quant.row_bytes(self.cfg.hidden_size), np.dtype(np.uint8)
     return self.cfg.hidden_size, self.cache
 
-  def working_memory(self, *, params: dict[str, dict], rows: int, device_rows: int,
-                     prompt_len: int, total_len: int, cpu_attention: bool, temperature: float,
-                     top_p: float, largest_load: tuple | None,
-                     largest_tensor: tuple[int, ...] | None) -> dict[str, StepMemory]:
-    """Compiles every function a run calls at its real shapes and returns XLA's bytes per step.
+  def keep(self, total_len: int) -> int | None:
+    """Cached positions sparse attention keeps per decode step; None for dense attention."""
+    return None if self.policy.attn_sparsity == 1 else sparse_keep(self.policy, total_len)
+
+  # ---- the calls of a run -----------------------------------------------------------------------
+  def step_inputs(self, geom: Geometry, cache_mask: np.ndarray, slot: int) -> StepInputs:
+    """A batch's decode inputs put where the steps read them (copies: the host mask changes)."""
+    d = geom.device_rows
+    offloaded = (jax.device_put(np.array(cache_mask[d:]), self.cpu)
+                 if geom.cpu_attention and geom.offloaded_rows else None)
+    return StepInputs(mask=jax.device_put(np.array(cache_mask), self.device),
+                      offloaded_mask=offloaded,
+                      slot=jax.device_put(np.int32(slot), self.device))
+
+  def head_step(self, params, x, counters, *, temperature: float, top_p: float, call=RUN):
+    """LM head of the last position and the next token: (logits [b, vocab] f32, tokens [b])."""
+    return call(self.head, params, x, counters, temperature=temperature, top_p=top_p)
+
+  def prefill_step(self, geom: Geometry, params, x, caches, mask, call=RUN):
+    """A prefill step of one layer: (y, device caches, offloaded rows' entries or None)."""
+    return call(self.prefill_layer, params, x, caches, mask, device_rows=geom.device_rows)
+
+  def decode_step(self, geom: Geometry, params, x, caches, inputs: StepInputs, loaded,
+                  gather_v: Callable, call=RUN):
+    """A decode step of one layer in one to three executions.
+
+    Args:
+      caches: (K, V) device rows [d, t, entry] (donated: the returned ones replace them) or None.
+      loaded: the offloaded rows' cache where they attend (the device, or the CPU backend with
+        cpu_attention): (K, V) [rows, t, entry], V None under sparse attention; None when
+        every row is on the device.
+      gather_v: (positions [rows, keep], device) -> the offloaded rows' V at those positions
+        [rows, keep, entry] on that device (sparse attention reads only those rows).
+    Returns:
+      (y [b, 1, hidden], device caches, (K, V) entries of the offloaded rows [rows, 1, entry]
+      to write back, or None).
+    Executions: one with every row on the device, or with dense attention of the offloaded
+    rows on the device; two for their sparse attention on the device (select; kept V rows are
+    read; attend and finish); three with cpu_attention (device part; the offloaded rows'
+    attention, or selection, on the CPU backend; the rest on the device).
+    """
+    d, keep = geom.device_rows, self.keep(geom.total_len)
+    if loaded is None or (not geom.cpu_attention and keep is None):
+      return call(self.decode_layer, params, x, caches, inputs.mask, inputs.slot, loaded,
+                  device_rows=d, keep=keep)
+    on_device = not geom.cpu_attention
+    front = call(self.decode_front, params, x, caches, inputs.mask, inputs.slot,
+                 loaded[0] if on_device else None, device_rows=d, keep=keep)
+    if on_device:  # sparse: the offloaded rows' selection ran in the front part
+      scores, positions = front['scores'], front['positions']
+    elif keep is None:
+      q, k, v = call.move(front['qkv'], self.cpu)
+      attn = call(self.offloaded_attend, q, k, v, loaded[0], loaded[1], inputs.offloaded_mask,
+                  on='cpu')
+      y = call(self.decode_back, params, x, front['attn'], call.move(attn, self.device))
+      return y, front['caches'], front['written']
+    else:
+      q, k, _ = call.move(front['qkv'], self.cpu)
+      scores, positions = call.move(call(self.offloaded_select, q, k, loaded[0],
+                                         inputs.offloaded_mask, keep=keep, on='cpu'),
+                                    self.device)
+    selected = (scores, positions, gather_v(positions, self.device), front['qkv'][2])
+    y = call(self.decode_back, params, x, front['attn'], selected)
+    return y, front['caches'], front['written']
+
+  # ---- working memory ---------------------------------------------------------------------------
+  def working_memory(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
+                     top_p: float, largest_load: tuple | None = None,
+                     largest_tensor: tuple[int, ...] | None = None) -> dict[str, StepMemory]:
+    """Compiles the functions a run calls, at its real shapes and with the shardings its
+    arguments have there, and returns XLA's bytes per step kind: every layer step as the run
+    calls it (`prefill_step`, `decode_step`), the embedding and the head at the prompt's shapes,
+    the cast of the largest loaded tensor (`compile_rest` compiles the rest, no larger).
+
+    The run's jit calls find these compilations in jax's caches (the lowering is cached on the
+    traced function, its shardings and static arguments): no step compiles while a run is timed.
 
     Args:
       params: stage kind ('embed', 'layer', 'head') -> {path: ShapeDtypeStruct or Packed of one}
         as the step receives them once loaded.
-      rows: sequences of a GPU batch; device_rows: of them, the cache rows on the device.
-      largest_load: (shape, packed dim or None) of the largest tensor cast or dequantized when
-        weights are loaded, or None when nothing is loaded.
+      largest_load: (stored shape, packed dim or None) of the largest tensor cast or
+        dequantized when weights are loaded, or None when nothing is loaded.
       largest_tensor: shape of the largest weight matrix, quantized on the CPU backend while
         weights are placed (compress_weight), else None.
     Returns:
       {'embed', 'prefill', 'decode', 'head', 'cpu_attention', 'load', 'place'}: bytes of one
       call, where a step made of parts sums their outputs and takes their largest temporary.
     """
-    cfg, b, s, t = self.cfg, rows, prompt_len, total_len
+    cfg, b, s, t = self.cfg, geom.rows, geom.prompt_len, geom.total_len
     h, cdt = cfg.hidden_size, self.compute
-    spec = jax.ShapeDtypeStruct
-    entry, edt = self.cache_entry()
-    i32 = lambda *shape: spec(shape, np.int32)
-    x_prefill, x_decode = spec((b, s, h), cdt), spec((b, 1, h), cdt)
+    on = lambda tree: jax.tree.map(lambda a: _spec(a.shape, a.dtype, self.device), tree)
+    spec = lambda shape, dtype: _spec(shape, dtype, self.device)
+    params = {kind: on(tree) for kind, tree in params.items()}
     out = {}
-    out['embed'] = _analyse(self.embed, params['embed'], i32(b, s), i32(b, s))
-    logits = spec((b, cfg.vocab_size), np.float32)
-    out['head'] = _combine([_analyse(self.head, params['head'], x_prefill),
-                            _analyse(self.sample, logits, jax.random.key(0),
-                                     temperature=temperature, top_p=top_p)])
-    prefill_parts = [_analyse(self.prefill, params['layer'], x_prefill, spec((b, s), bool))]
-    if self.policy.compress_cache:
-      prefill_parts.append(_analyse(self.quantize, spec((b, s, h), self.cache)))
-    out['prefill'] = _combine(prefill_parts)
-    q = spec((b, h), cdt)
-    kv = spec((b, h), self.cache)
-    decode_parts = [_analyse(self.qkv, params['layer'], x_decode),
-                    _analyse(self.out, params['layer'], x_decode, q)]
-    if self.policy.compress_cache:
-      decode_parts.append(_analyse(self.quantize, spec((b, 1, h), self.cache)))
-    offloaded = b - device_rows
-    for backend_rows, on_cpu in ((device_rows, False), (offloaded, cpu_attention)):
-      if backend_rows and not on_cpu:
-        decode_parts += self._attention(backend_rows, t, entry, edt, q.dtype)
-    out['decode'] = _combine(decode_parts)
-    out['cpu_attention'] = (_combine(self._attention(offloaded, t, entry, edt, q.dtype,
-                                                     on=self.cpu))
-                            if offloaded and cpu_attention else StepMemory(0, 0))
+    out['embed'] = _analyse(self.embed, params['embed'], spec((b, s), np.int32),
+                            spec((b, s), np.int32))
+    out['head'] = self._analyse_head(params['head'], spec((b, s, h), cdt), temperature, top_p)
+    compile_ = self._compiler()
+    self.prefill_step(geom, params['layer'], spec((b, s, h), cdt), self._cache_specs(geom),
+                      spec((b, s), bool), call=compile_)
+    out['prefill'] = _combine(compile_.parts['device'])
+    compile_ = self._compiler()
+    self.decode_step(geom, params['layer'], spec((b, 1, h), cdt), self._cache_specs(geom),
+                     self._input_specs(geom), self._loaded_specs(geom), self._gather_spec(geom),
+                     call=compile_)
+    out['decode'] = _combine(compile_.parts['device'])
+    out['cpu_attention'] = _combine(compile_.parts['cpu'])
     out['place'] = StepMemory(0, 0)
     if largest_tensor is not None:
       out['place'] = _analyse(self.quantize, _spec(largest_tensor, self.storage, self.cpu))
-    out['load'] = StepMemory(0, 0)
-    if largest_load is not None:
-      shape, dim = largest_load
-      if dim is None:
-        out['load'] = _analyse(self.cast, spec(shape, self.storage))
-      else:
-        out['load'] = _analyse(self.dequantize, quant_lib.Packed(spec(shape, np.uint8), dim,
-                                                                 self.policy.quant))
+    out['load'] = StepMemory(0, 0) if largest_load is None else self.analyse_load(*largest_load)
     return out
 
-  def _attention(self, rows: int, t: int, entry: int, edt, qdt,
-                 on: jax.Device | None = None) -> list[StepMemory]:
-    """Decode attention of `rows` sequences over a cache of t positions (dense or sparse), on
-    the device or, with `on`, on another backend."""
-    spec = lambda shape, dtype: _spec(shape, dtype, on)
-    h = self.cfg.hidden_size
-    q, new = spec((rows, h), qdt), spec((rows, h), self.cache)
-    cache, mask = spec((rows, t, entry), edt), spec((rows, t), bool)
-    if self.policy.attn_sparsity == 1:
-      return [_analyse(self.attend, q, new, new, cache, cache, mask)]
-    keep = max(1, int(np.ceil(self.policy.attn_sparsity * t)))
-    return [_analyse(self.select, q, new, cache, mask, keep=keep),
-            _analyse(self.take_rows, cache, spec((rows, keep), np.int32)),
-            _analyse(self.attend_selected, spec((rows, t + 1, self.cfg.num_heads), np.float32),
-                     spec((rows, keep), np.int32), spec((rows, keep, entry), edt), new)]
+  def compile_rest(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
+                   top_p: float, loads: tuple = ()) -> None:
+    """Compiles what a run calls besides the functions `working_memory` compiled: the
+    embedding and the head at the decode shapes (their XLA bytes are at most those at the
+    prompt's), and the cast or dequantization of every loaded tensor ((stored shape, packed
+    dim or None) each)."""
+    on = lambda tree: jax.tree.map(lambda a: _spec(a.shape, a.dtype, self.device), tree)
+    ids = _spec((geom.rows, 1), np.int32, self.device)
+    _analyse(self.embed, on(params['embed']), ids, ids)
+    self._analyse_head(on(params['head']), _spec((geom.rows, 1, self.cfg.hidden_size),
+                                                 self.compute, self.device), temperature, top_p)
+    for shape, dim in loads:
+      self.analyse_load(shape, dim)
+
+  def _compiler(self) -> _Compile:
+    return _Compile({'device': self.device, 'cpu': self.cpu})
+
+  def _analyse_head(self, params, x, temperature, top_p) -> StepMemory:
+    counters = _spec((3,), np.uint32, self.device)
+    return _analyse(self.head, params, x, counters, temperature=temperature, top_p=top_p)
+
+  def analyse_load(self, shape: tuple[int, ...], dim: int | None) -> StepMemory:
+    """Compiles the cast (dim None) or dequantization of a loaded tensor stored as `shape`."""
+    stored = _spec(shape, np.uint8 if dim is not None else self.storage, self.device)
+    if dim is None:
+      return _analyse(self.cast, stored)
+    return _analyse(self.dequantize, quant_lib.Packed(stored, dim, self.policy.quant))
+
+  def _cache_specs(self, geom: Geometry):
+    entry, edt = self.cache_entry()
+    if not geom.device_rows:
+      return None
+    return tuple(_spec((geom.device_rows, geom.total_len, entry), edt, self.device)
+                 for _ in range(2))
+
+  def _input_specs(self, geom: Geometry) -> StepInputs:
+    offloaded = (_spec((geom.offloaded_rows, geom.total_len), bool, self.cpu)
+                 if geom.cpu_attention and geom.offloaded_rows else None)
+    return StepInputs(mask=_spec((geom.rows, geom.total_len), bool, self.device),
+                      offloaded_mask=offloaded, slot=_spec((), np.int32, self.device))
+
+  def _loaded_specs(self, geom: Geometry):
+    """The offloaded rows' cache as the mover brings it (V only for dense attention)."""
+    if not geom.offloaded_rows:
+      return None
+    entry, edt = self.cache_entry()
+    where = self.cpu if geom.cpu_attention else self.device
+    rows = _spec((geom.offloaded_rows, geom.total_len, entry), edt, where)
+    return rows, rows if self.keep(geom.total_len) is None else None
+
+  def _gather_spec(self, geom: Geometry) -> Callable:
+    entry, edt = self.cache_entry()
+    return lambda positions, device: _spec((*positions.shape, entry), edt, device)
 
 
+# ---- the pure step functions --------------------------------------------------------------------
+def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, temperature: float,
+                top_p: float):
+  """LM head of the last position and the next token.
+
+  Args:
+    x: [b, s, hidden]; counters: uint32 [3] (seed, block, token) naming the sampling key.
+  Returns:
+    (logits [b, vocab] float32, tokens [b] int32).
+  """
+  logits = opt.head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(counters[0]), counters[1]),
+                           counters[2])
+  return logits, next_token(logits, key, temperature=temperature, top_p=top_p)
+
+
+def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, cache_dtype,
+                  cache_quant: QuantConfig | None, device_rows: int):
+  """A prefill step of one layer with its cache writes.
+
+  Args:
+    x: [b, s, hidden]; mask: [b, s] bool (left-padded prompts).
+    caches: (K, V) of the first device_rows rows [d, t, entry] (donated), or None.
+  Returns:
+    (y [b, s, hidden], caches with positions [0, s) written, (K, V) entries of the other rows
+    [b - d, s, entry] for the host and disk tiers, or None).
+  """
+  y, (k, v) = opt.decoder_prefill(params, x, mask, cfg=cfg, compute_dtype=compute_dtype,
+                                  cache_dtype=cache_dtype)
+  entries = tuple(_entries(a, cache_quant) for a in (k, v))  # [b, s, entry]
+  return (y, *_store(caches, entries, 0, device_rows))
+
+
+def decode_layer(params, x, caches, mask, slot, loaded, *, cfg: ModelConfig, compute_dtype,
+                 cache_dtype, cache_quant: QuantConfig | None, device_rows: int,
+                 keep: int | None):
+  """A whole decode step of one layer: every row attends on the device (its cache rows there, or
+  `loaded` (K, V) [b - d, t, entry] for the offloaded rows).
+
+  Returns (y [b, 1, hidden], device caches, offloaded rows' (K, V) entries or None).
+  """
+  q, k, v = opt.decode_qkv(params, x, cfg=cfg, compute_dtype=compute_dtype,
+                           cache_dtype=cache_dtype)
+  d, attend = device_rows, functools.partial(_attend, cfg=cfg, cache_quant=cache_quant, keep=keep)
+  caches, written = _store(caches, _new_entries(k, v, cache_quant), slot, d)
+  parts = []
+  if d:
+    parts.append(attend(q[:d], k[:d], v[:d], *caches, mask[:d]))
+  if loaded is not None:
+    parts.append(attend(q[d:], k[d:], v[d:], *loaded, mask[d:]))
+  y = opt.decode_out(params, x, _join(parts), cfg=cfg, compute_dtype=compute_dtype)
+  return y, caches, written
+
+
+def decode_front(params, x, caches, mask, slot, k_loaded, *, cfg: ModelConfig, compute_dtype,
+                 cache_dtype, cache_quant: QuantConfig | None, device_rows: int,
+                 keep: int | None):
+  """The first device part of a split decode step of one layer.
+
+  q, k, v of the new token; its cache entries (the device rows' written at `slot`); the device
+  rows' attention; and, for the offloaded rows, their sparse selection when their K is given
+  on the device (`k_loaded` [b - d, t, entry]).
+
+  Returns {'attn': device rows' attention [d, hidden] or None, 'caches', 'written': offloaded
+  rows' (K, V) entries, 'qkv': their q, k, v [b - d, hidden], and with k_loaded 'scores'
+  [b - d, t + 1, heads] and 'positions' [b - d, keep]}.
+  """
+  q, k, v = opt.decode_qkv(params, x, cfg=cfg, compute_dtype=compute_dtype,
+                           cache_dtype=cache_dtype)
+  d = device_rows
+  caches, written = _store(caches, _new_entries(k, v, cache_quant), slot, d)
+  out = {'caches': caches, 'written': written, 'qkv': (q[d:], k[d:], v[d:]), 'attn': None}
+  if d:
+    out['attn'] = _attend(q[:d], k[:d], v[:d], *caches, mask[:d], cfg=cfg,
+                          cache_quant=cache_quant, keep=keep)
+  if k_loaded is not None:
+    out['scores'], out['positions'] = opt.decode_select(q[d:], k[d:], k_loaded, mask[d:], cfg=cfg,
+                                                        keep=keep, cache_quant=cache_quant)
+  return out
+
+
+def decode_back(params, x, attn, offloaded, *, cfg: ModelConfig, compute_dtype,
+                cache_quant: QuantConfig | None):
+  """The last device part of a split decode step: the offloaded rows' attention (given [b - d,
+  hidden], or sparse from (scores, positions, kept V rows, new v)), joined to the device rows'
+  `attn` (or None), then the output projection and the MLP. -> y [b, 1, hidden]."""
+  if isinstance(offloaded, tuple):
+    offloaded = opt.decode_attend_selected(*offloaded, cfg=cfg, cache_quant=cache_quant)
+  parts = [offloaded] if attn is None else [attn, offloaded]
+  return opt.decode_out(params, x, _join(parts), cfg=cfg, compute_dtype=compute_dtype)
+
+
+def _entries(a: jax.Array, cache_quant: QuantConfig | None) -> jax.Array:
+  """K or V [b, n, hidden] in the cache dtype as the cache stores it (byte rows if quantized)."""
+  return a if cache_quant is None else quant_lib.quantize(a, cache_quant)
+
+
+def _new_entries(k, v, cache_quant):
+  """The new token's cache entries: [b, hidden] -> [b, 1, entry]."""
+  return tuple(_entries(a[:, None], cache_quant) for a in (k, v))
+
+
+def _store(caches, entries, slot, device_rows: int):
+  """Writes the device rows' entries into their caches at `slot`; returns (caches, the other
+  rows' entries or None)."""
+  d, b = device_rows, entries[0].shape[0]
+  if d:
+    caches = tuple(_write(c, e[:d], slot) for c, e in zip(caches, entries))
+  return caches, (tuple(e[d:] for e in entries) if d < b else None)
+
+
+def _attend(q, k, v, k_cache, v_cache, mask, *, cfg: ModelConfig,
+            cache_quant: QuantConfig | None, keep: int | None):
+  """Dense attention of rows over their cache, or sparse: scores against all of K, then only the
+  `keep` selected V rows."""
+  if keep is None:
+    return opt.decode_attend(q, k, v, k_cache, v_cache, mask, cfg=cfg, cache_quant=cache_quant)
+  scores, positions = opt.decode_select(q, k, k_cache, mask, cfg=cfg, keep=keep,
+                                        cache_quant=cache_quant)
+  return opt.decode_attend_selected(scores, positions, _take_rows(v_cache, positions), v, cfg=cfg,
+                                    cache_quant=cache_quant)
+
+
+def _join(parts: list[jax.Array]) -> jax.Array:
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _take_rows(cache: jax.Array, positions: jax.Array) -> jax.Array:
+  """cache [b, t, ...] rows at positions [b, keep] -> [b, keep, ...]."""
+  return jnp.take_along_axis(cache, positions.reshape(*positions.shape, *([1] * (cache.ndim - 2))),
+                             axis=1)
+
+
+def _write(cache: jax.Array, new: jax.Array, slot) -> jax.Array:
+  """Writes new [b, n, entry] into cache [b, t, entry] at time `slot`."""
+  return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), slot, axis=1)
+
+
+# ---- compile helpers ----------------------------------------------------------------------------
 def _spec(shape, dtype, device: jax.Device | None = None) -> jax.ShapeDtypeStruct:
   sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -169,20 +471,6 @@ def _analyse(fn, *args, **static) -> StepMemory:
 
 def _combine(parts: list[StepMemory]) -> StepMemory:
   """Parts run one after another: their outputs add up, their temporaries do not."""
+  if not parts:
+    return StepMemory(0, 0)
   return StepMemory(temp=max(p.temp for p in parts), output=sum(p.output for p in parts))
-
-
-def _head_last(params, x, *, cfg, compute_dtype):
-  """LM head of the last position only: [b, s, hidden] -> logits [b, vocab] float32."""
-  return opt.head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
-
-
-def _take_rows(cache: jax.Array, positions: jax.Array) -> jax.Array:
-  """cache [b, t, ...] rows at positions [b, keep] -> [b, keep, ...]."""
-  return jnp.take_along_axis(cache, positions.reshape(*positions.shape, *([1] * (cache.ndim - 2))),
-                             axis=1)
-
-
-def _write_kv(cache: jax.Array, new: jax.Array, slot) -> jax.Array:
-  """Writes new [b, n, h] into cache [b, t, h] at time `slot` (the cache buffer is donated)."""
-  return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), slot, axis=1)

@@ -1,0 +1,144 @@
+"""What a run dispatches, seen by JAX itself: XLA executions per decoder layer per decode step
+(counted by jax's profiler: at most three in every placement, one where every cache row is on the
+device), and no compilation once the run is planned (the plan's compile is the warm-up)."""
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+from flexjax.config import ModelConfig
+from flexjax.engine import Engine, GenerationConfig
+from flexjax.policy import Policy
+from flexjax.weights import DummyWeights
+
+# The PjRt client's span for one launch of a compiled executable on one device (XLA:CPU's
+# runtime; every jit call, primitive and AOT-compiled call goes through it).
+EXECUTE_EVENT = 'CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice'
+
+BATCHES, ROWS = 2, 4
+SPLIT = dict(cache_gpu_percent=50, cache_cpu_percent=50)  # 2 device rows, 2 host rows per batch
+VARIANTS = {
+    # name: (policy fields, most executions per layer per decode step of one GPU batch)
+    'all_device': (dict(), 1),
+    'offloaded_rows_device_attention': (SPLIT, 1),
+    'offloaded_rows_on_disk': (dict(cache_gpu_percent=50, cache_cpu_percent=0), 1),
+    'cpu_attention': (dict(SPLIT, cpu_attention=True), 3),
+    'cpu_attention_all_offloaded': (dict(cache_gpu_percent=0, cache_cpu_percent=100,
+                                         cpu_attention=True), 3),
+    'compressed_cache_all_device': (dict(compress_cache=True), 1),
+    'compressed_cache_offloaded': (dict(SPLIT, compress_cache=True), 1),
+    'compressed_cache_cpu_attention': (dict(SPLIT, compress_cache=True, cpu_attention=True), 3),
+    'sparse_all_device': (dict(attn_sparsity=0.5), 1),
+    'sparse_offloaded': (dict(SPLIT, attn_sparsity=0.5), 2),
+    'sparse_cpu_attention': (dict(SPLIT, attn_sparsity=0.5, cpu_attention=True), 3),
+    'sparse_compressed_cpu_attention': (dict(SPLIT, attn_sparsity=0.5, compress_cache=True,
+                                             cpu_attention=True), 3),
+}
+
+
+def count_executions(fn) -> int:
+  """Executable launches while fn() runs, read from a jax.profiler trace."""
+  options = jax.profiler.ProfileOptions()
+  options.host_tracer_level = 3  # the runtime's own spans (launches included)
+  options.python_tracer_level = 0
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder, profiler_options=options):
+      fn()
+    path, = Path(folder).rglob('*.xplane.pb')
+    data = jax.profiler.ProfileData.from_file(str(path))
+  return sum(event.name == EXECUTE_EVENT for plane in data.planes for line in plane.lines
+             for event in line.events)
+
+
+def test_the_counter_sees_each_launch():
+  f = jax.jit(lambda x: x * 2)
+  x = jax.device_put(np.ones(4, np.float32))
+  f(x).block_until_ready()
+  assert count_executions(lambda: [f(x).block_until_ready() for _ in range(3)]) == 3
+
+
+def tiny_config(num_layers: int) -> ModelConfig:
+  return ModelConfig(name=f'dispatch-{num_layers}', num_layers=num_layers, hidden_size=64,
+                     num_heads=4, ffn_dim=128, vocab_size=512, max_positions=64)
+
+
+def executions_per_layer_step(policy: Policy, *, layers=(2, 4), stops=(1, 3)) -> float:
+  """Launches per decoder layer per decode step per GPU batch, from whole runs of models of two
+  depths, each stopped after two numbers of decode steps (forced EOS tokens; the same shapes, so
+  the same compiled steps): prefill, embedding, head and sampling cancel out."""
+  prompts = [[2] + list(range(10, 10 + n)) for n in (6, 3, 5, 2, 7, 4, 6, 1)]
+  gen = GenerationConfig(gen_len=max(stops) + 1)
+  counts = {}
+  for num_layers in layers:
+    with Engine(DummyWeights(tiny_config(num_layers), 'float32'), policy=policy) as engine:
+      for stop in stops:
+        forced = np.full((len(prompts), gen.gen_len), 5, np.int32)
+        forced[:, stop] = engine.config.eos_token_id  # decode steps 1 .. stop run
+        run = lambda: engine.generate(prompts, gen, forced_tokens=forced)
+        counts[num_layers, stop] = count_executions(run)
+  (l1, l2), (s1, s2) = layers, stops
+  extra = counts[l2, s2] - counts[l2, s1] - counts[l1, s2] + counts[l1, s1]
+  return extra / ((l2 - l1) * (s2 - s1) * policy.num_gpu_batches)
+
+
+@pytest.mark.parametrize('name', list(VARIANTS))
+def test_decode_executions_per_layer(name):
+  fields, most = VARIANTS[name]
+  policy = Policy(gpu_batch_size=ROWS, num_gpu_batches=BATCHES, **fields)
+  per_layer = executions_per_layer_step(policy)
+  print(f'{name}: {per_layer:g} executions per layer per decode step')
+  assert per_layer <= most
+
+
+# jax's event for one XLA compilation (recorded by jax's dispatch for jit calls and AOT alike).
+COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
+
+COMPILED_POLICIES = {
+    'all_device': Policy(gpu_batch_size=4, num_gpu_batches=2),
+    'weights_host_cache_split': Policy(gpu_batch_size=4, num_gpu_batches=2, w_gpu_percent=0,
+                                       w_cpu_percent=100, **SPLIT),
+    'sparse_offloaded': Policy(gpu_batch_size=4, num_gpu_batches=2, attn_sparsity=0.5, **SPLIT),
+    'cpu_attention_sparse_compressed': Policy(
+        gpu_batch_size=4, num_gpu_batches=2, cache_gpu_percent=50, cache_cpu_percent=25,
+        cpu_attention=True, attn_sparsity=0.5, compress_cache=True, compress_weight=True),
+}
+
+
+@pytest.mark.parametrize('index,name', list(enumerate(COMPILED_POLICIES)))
+def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
+  """generate()'s warm-up (plan.Planner.compile_run: the plan's compiles and the few it lacks)
+  leaves nothing for the run to compile; a model of its own shape, so no earlier test compiled
+  these steps."""
+  cfg = ModelConfig(name=f'compiles-{index}', num_layers=2, hidden_size=48 + 16 * index,
+                    num_heads=4, ffn_dim=96, vocab_size=300 + index, max_positions=64)
+  prompts = [[2] + list(range(10, 10 + n)) for n in (6, 3, 5, 2, 7, 4, 6, 1)]
+  gen = GenerationConfig(gen_len=4, temperature=0.7, top_p=0.9, stop_at_eos=False)
+  compiles = []
+  listener = lambda event, seconds, **kw: compiles.append(event) if event == COMPILE_EVENT else None
+  with Engine(DummyWeights(cfg, 'float32'), policy=COMPILED_POLICIES[name],
+              offload_dir=str(tmp_path)) as engine:
+    engine.planner.compile_run(engine.policy, prompt_len=max(map(len, prompts)),
+                               gen_len=gen.gen_len, temperature=gen.temperature,
+                               top_p=gen.top_p)  # what generate() does first
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+      engine.generate(prompts, gen, warmup=True)
+    finally:
+      monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+
+
+def test_warmup_runs_no_step():
+  engine = Engine(DummyWeights(tiny_config(2), 'float32'), policy=Policy(gpu_batch_size=4))
+  prompts = [[2, 10, 11], [2, 12]]
+  gen = GenerationConfig(gen_len=3, stop_at_eos=False)
+  engine.generate(prompts, gen)
+  plain = count_executions(lambda: engine.generate(prompts, gen, warmup=False))
+  assert count_executions(lambda: engine.generate(prompts, gen, warmup=True)) == plain
+  assert engine.generate(prompts, gen, warmup=True).weight_loads == engine.generate(
+      prompts, gen, warmup=False).weight_loads

@@ -1,0 +1,72 @@
+"""Backend choices made from the platform: the default compute dtype, and the CPU backend kept
+beside the accelerator when JAX_PLATFORMS names only the latter."""
+
+import jax
+import pytest
+
+from flexjax import flags as flags_lib
+from flexjax import hardware
+from flexjax.config import ModelConfig
+from flexjax.engine import Engine
+from flexjax.errors import FlexjaxError
+from flexjax.weights import DummyWeights
+
+
+@pytest.mark.parametrize('platform,dtype', [('gpu', 'float16'), ('cuda', 'float16'),
+                                            ('rocm', 'float16'), ('cpu', 'float32')])
+def test_default_compute_dtype_follows_the_platform(platform, dtype):
+  assert hardware.default_compute_dtype(platform) == dtype
+
+
+def test_engine_and_flags_leave_the_dtype_to_the_device(tmp_path):
+  fv = flags_lib.flags.FlagValues()
+  flags_lib.define_flags(fv)
+  fv(['flexjax'])
+  assert flags_lib.run_config_from_flags(fv).compute_dtype is None
+  cfg = ModelConfig(name='dtype', num_layers=1, hidden_size=32, num_heads=4, ffn_dim=64,
+                    vocab_size=100, max_positions=16)
+  with Engine(DummyWeights(cfg, 'float16'), offload_dir=str(tmp_path)) as engine:
+    assert engine.device.platform == 'cpu'
+    assert (engine.compute_dtype, engine.cache_dtype) == ('float32', 'float32')
+    assert engine.steps.compute.name == 'float32'
+  with Engine(DummyWeights(cfg, 'float16'), compute_dtype='float16',
+              offload_dir=str(tmp_path)) as engine:
+    assert (engine.compute_dtype, engine.cache_dtype) == ('float16', 'float16')
+
+
+@pytest.mark.parametrize('platforms,wanted', [
+    ('cuda', 'cuda,cpu'), ('gpu', 'gpu,cpu'), ('rocm', 'rocm,cpu'), ('cuda,cpu', 'cuda,cpu'),
+    ('cpu', 'cpu'), (' cuda , tpu ', 'cuda,tpu,cpu'), ('cpu,cuda', 'cpu,cuda'), (None, None),
+    ('', '')])
+def test_the_cpu_platform_is_added_to_jax_platforms(platforms, wanted):
+  assert hardware.with_cpu_platform(platforms) == wanted
+
+
+@pytest.fixture
+def jax_platforms():
+  """Sets jax_platforms for a test (the backends are already up: nothing is started)."""
+  before = jax.config.jax_platforms
+  yield lambda value: jax.config.update('jax_platforms', value)
+  jax.config.update('jax_platforms', before)
+
+
+def test_a_missing_cpu_backend_is_named_with_its_fix(monkeypatch, jax_platforms):
+  def devices(backend=None):
+    raise RuntimeError(f'Unknown backend {backend}')
+  monkeypatch.setattr(jax, 'devices', devices)
+  jax_platforms('cuda')
+  with pytest.raises(FlexjaxError, match=r"JAX_PLATFORMS='cuda'.*JAX_PLATFORMS=cuda,cpu") as e:
+    hardware.cpu_device()
+  assert '\n' not in str(e.value)
+  jax_platforms('cuda,cpu')
+  with pytest.raises(RuntimeError, match='Unknown backend cpu'):  # another failure: as it is
+    hardware.cpu_device()
+
+
+def test_include_cpu_platform_updates_jax_platforms(jax_platforms):
+  jax_platforms('cuda')
+  hardware.include_cpu_platform()
+  assert jax.config.jax_platforms == 'cuda,cpu'
+  jax_platforms(None)
+  hardware.include_cpu_platform()
+  assert jax.config.jax_platforms is None
