@@ -189,7 +189,8 @@ class Engine:
   def plan(self, prompt_len: int, gen: 'GenerationConfig', *, policy: Policy | None = None,
            return_logits: bool = False) -> plan_lib.ExecutionPlan:
     """The execution plan of a generate() call with prompts padded to prompt_len."""
-    return self.planner.plan(policy or self.policy, prompt_len=prompt_len, gen_len=gen.gen_len,
+    return self.planner.run_plan(policy or self.policy, self.budgets, prompt_len=prompt_len,
+                                 gen_len=gen.gen_len,
                              return_logits=return_logits, temperature=gen.temperature,
                              top_p=gen.top_p)
 
@@ -249,6 +250,7 @@ class Engine:
       rows = slice(start, start + block)
       res = self._run_block(policy, tokens[rows], mask[rows], n - start, gen, start // block,
                             max_steps=gen.gen_len, return_logits=return_logits,
+                            read_ahead=plan.shape.read_ahead,
                             forced=None if forced_tokens is None else forced_tokens[rows],
                             clock=clock)
       outs.append(res['tokens'])
@@ -280,10 +282,10 @@ class Engine:
     return policy
 
   def _run_block(self, policy: Policy, tokens, mask, real_rows, gen, block_index, *, max_steps,
-                 return_logits, forced, clock: Clock) -> dict:
+                 return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
     """Runs one block through the schedule. Returns its tokens, logits, timings."""
     mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
-                  clock=clock, stats=self.stats,
+                  read_ahead=read_ahead, clock=clock, stats=self.stats,
                   stage_names=plan_lib.stage_names(self.config),
                   device_is_host=self.planner.device_is_host)
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)

@@ -92,12 +92,13 @@ class Mover:
 
   def __init__(self, storage: Storage, steps: Steps, stages: list[Placed], policy: Policy, *,
                reader: diskio.Reader, clock: Clock, stats: dict, stage_names: list[str],
-               device_is_host: bool):
+               device_is_host: bool, read_ahead: bool = False):
     self.storage, self.steps, self.stages = storage, steps, stages
     self.policy, self.clock, self.stats = policy, clock, stats
     self.stage_names = stage_names
     self.device_is_host = device_is_host
     self.reader = reader
+    self.reads_ahead = read_ahead  # the plan holds a second staging buffer for it
     self._reads: dict[int, _StageRead | None] = {}  # stage -> its disk reads under way
     self._reads_lock = threading.Lock()
     self.workers: dict = {}
@@ -123,7 +124,10 @@ class Mover:
   # ---- weights ----------------------------------------------------------------------------------
   def read_ahead(self, index: int) -> None:
     """Starts the disk reads of a stage's weights now (the stage after the one loading next),
-    so the disk stays busy while stages are cast and computed."""
+    so the disk stays busy while stages are cast and computed; nothing when the plan has no
+    room for it."""
+    if not self.reads_ahead:
+      return
     with self._reads_lock:
       if index not in self._reads:
         self._reads[index] = self._start_reads(index)

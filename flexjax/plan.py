@@ -144,7 +144,7 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
   if policy.placement == 'flexgen':
     parts = {}
     for group in flexgen_groups(stage, shapes):
-      counts = [int(np.prod(shapes[path])) for path in group]
+      counts = [math.prod(shapes[path]) for path in group]
       for path, tier in zip(group, flexgen_tiers(counts, policy.w_gpu_percent,
                                                  policy.w_cpu_percent)):
         parts[path] = [(tier, 0, shapes[path][0])]
@@ -157,7 +157,7 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
   out = []
   for path in order:
     shape, count = shapes[path], shapes[path][0]
-    whole_loaded = int(np.prod(shape)) * sizes.compute
+    whole_loaded = math.prod(shape) * sizes.compute
     split_load = len(parts[path]) > 1 and any(t != 'device' for t, _, _ in parts[path])
     first_offloaded = True
     for tier, lo, hi in parts[path]:
@@ -174,7 +174,7 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
 
 
 def _stored_bytes(policy: Policy, sizes: Itemsizes, shape: tuple[int, ...]) -> int:
-  count = int(np.prod(shape))
+  count = math.prod(shape)
   if compressed(policy, shape):
     return count // shape[-1] * policy.quant.row_bytes(shape[-1])
   return count * sizes.storage
@@ -206,6 +206,7 @@ class WeightTotals:
   placed: dict[str, int]  # device: resident bytes; host, disk: stored bytes
   stored: dict[str, int]  # stored bytes per tier (the placement's realised shares)
   loaded_max: int  # the largest stage's non-resident tensors once loaded
+  join_max: int  # of that, the largest stage's joins of tensors split across tiers
   transfer_max: int  # the largest non-resident tensor as stored (in flight to the device)
   disk_stage_max: int  # the largest stage's disk tensors, 4 KiB-aligned (read into staging)
   stage_max: int  # the largest stage as stored, token embedding aside (read while placing)
@@ -218,7 +219,7 @@ class WeightTotals:
 def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightTotals:
   placed = dict.fromkeys(TIERS, 0)
   stored = dict.fromkeys(TIERS, 0)
-  loaded_max = transfer_max = disk_max = stage_max = tensor_max = resident_max = 0
+  loaded_max = join_max = transfer_max = disk_max = stage_max = tensor_max = resident_max = 0
   largest_load, largest_loaded = None, -1
   for stage, count in distinct_stages(cfg).items():
     layout = stage_layout(cfg, policy, sizes, stage)
@@ -226,22 +227,25 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
       placed[slot.tier] += count * (slot.resident if slot.tier == 'device' else slot.stored)
       stored[slot.tier] += count * slot.stored
       if slot.path != ('tokens',):  # read on its own, before anything is placed
-        tensor_max = max(tensor_max, int(np.prod(slot.full_shape)) * 4)
+        tensor_max = max(tensor_max, math.prod(slot.full_shape) * 4)
       if slot.tier != 'device':
         transfer_max = max(transfer_max, slot.stored)
-        if slot.loaded > largest_loaded:
-          largest_loaded = slot.loaded
-          largest_load = ((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
-                          slot.shape[-1]) if slot.packed else (slot.shape, None)
+        whole = math.prod(slot.full_shape) * sizes.compute
+        if whole > largest_loaded:  # the whole tensor bounds a part's cast, and depends less
+          largest_loaded = whole    # on the percents (fewer distinct compiles in the search)
+          shape = slot.full_shape
+          largest_load = ((*shape[:-1], policy.quant.row_bytes(shape[-1])),
+                          shape[-1]) if slot.packed else (shape, None)
       if slot.tier == 'device':
         resident_max = max(resident_max, slot.stored)
     loaded_max = max(loaded_max, sum(s.loaded + s.join for s in layout if s.tier != 'device'))
+    join_max = max(join_max, sum(s.join for s in layout))
     disk_max = max(disk_max, sum(align_up(s.stored) + (0 if s.whole else BLOCK)
                                  for s in layout if s.tier == 'disk'))
-    stage_max = max(stage_max, sum(int(np.prod(s.shape)) * sizes.storage for s in layout
+    stage_max = max(stage_max, sum(math.prod(s.shape) * sizes.storage for s in layout
                                    if s.path != ('tokens',)))
-  tokens = int(np.prod(cfg.tokens_shape())) * sizes.storage
-  return WeightTotals(placed, stored, loaded_max, transfer_max, disk_max, stage_max,
+  tokens = math.prod(cfg.tokens_shape()) * sizes.storage
+  return WeightTotals(placed, stored, loaded_max, join_max, transfer_max, disk_max, stage_max,
                       resident_max, tensor_max, tokens, largest_load)
 
 
@@ -283,6 +287,7 @@ class Shape:
   gen_len: int
   device_is_host: bool  # a CPU backend: device and host tiers are the same RAM
   return_logits: bool = False
+  read_ahead: bool = False  # under overlap: disk reads of the stage after next start early
 
   @property
   def total_len(self) -> int:
@@ -343,8 +348,9 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
              'non-resident weights of a stage, loaded'),
       Buffer('weights.transfer', 'device', shares.transfer, 1, RUN,
              'a weight tensor in flight, before its cast'),
-      Buffer('weights.staging', 'host', shares.disk_staging, stages_alive, RUN,
-             "a stage's disk weights read into RAM (the next one read ahead under overlap)"),
+      Buffer('weights.staging', 'host', shares.disk_staging,
+             2 if overlap and shape.read_ahead else 1, RUN,
+             "a stage's disk weights read into RAM (and the one after, when read ahead)"),
       Buffer('xla.load', 'device', xla['load'], 1, RUN, 'cast / dequantize of a loaded tensor'),
       Buffer('cache.device', 'device', L * g * kv_seq * cr['device'], 1, RUN,
              'KV cache rows on the device'),
@@ -425,24 +431,33 @@ class ExecutionPlan:
     """Bytes the runtime may hold at once in the buffer(s) called `name`."""
     return sum(int(b.total) for b in self.buffers if b.name == name)
 
+  def _over(self, budgets: dict[str, int | None]) -> list[str]:
+    """The tiers whose peak exceeds their budget."""
+    peaks = self.peaks()
+    return [tier for tier in (('ram',) if self.shape.device_is_host else ()) + TIERS
+            if budgets.get(tier) is not None and peaks.get(tier, 0) > budgets[tier]]
+
+  def fits(self, budgets: dict[str, int | None]) -> bool:
+    return not self._over(budgets)
+
   def check(self, budgets: dict[str, int | None]) -> None:
     """Refuses a plan whose peak exceeds a budget, naming the tier, the need and the budget."""
-    peaks = self.peaks()
-    for tier in (('ram',) if self.shape.device_is_host else ()) + TIERS:
-      budget = budgets.get(tier)
-      if budget is None or peaks.get(tier, 0) <= budget:
-        continue
-      flag = {'device': '--gpu_mem', 'host': '--cpu_mem', 'ram': '--cpu_mem',
-              'disk': '--disk_mem'}[tier]
-      where = 'RAM (device and host tiers together)' if tier == 'ram' else f'{tier} tier'
-      top = sorted((b for b in self.buffers if b.tier == tier or tier == 'ram' and
-                    b.tier in ('device', 'host')), key=lambda b: -b.total)[:3]
-      largest = ', '.join(f'{b.name} {format_bytes(b.total)}' for b in top)
-      raise FlexjaxError(
-          f'policy {self.policy.describe()} needs {format_bytes(peaks[tier])} on the {where} but '
-          f'{flag} allows {format_bytes(budget)} (short by {format_bytes(peaks[tier] - budget)}; largest: '
-          f'{largest}); raise {flag}, or move weights/cache/hidden states to a lower tier or '
-          'use smaller GPU batches')
+    over = self._over(budgets)
+    if not over:
+      return
+    tier, peaks = over[0], self.peaks()
+    budget = budgets[tier]
+    flag = {'device': '--gpu_mem', 'host': '--cpu_mem', 'ram': '--cpu_mem',
+            'disk': '--disk_mem'}[tier]
+    where = 'RAM (device and host tiers together)' if tier == 'ram' else f'{tier} tier'
+    top = sorted((b for b in self.buffers if b.tier == tier or tier == 'ram' and
+                  b.tier in ('device', 'host')), key=lambda b: -b.total)[:3]
+    largest = ', '.join(f'{b.name} {format_bytes(b.total)}' for b in top)
+    raise FlexjaxError(
+        f'policy {self.policy.describe()} needs {format_bytes(peaks[tier])} on the {where} but '
+        f'{flag} allows {format_bytes(budget)} (short by {format_bytes(peaks[tier] - budget)}; '
+        f'largest: {largest}); raise {flag}, or move weights/cache/hidden states to a lower tier '
+        'or use smaller GPU batches')
 
   def table(self) -> str:
     """The buffers, one line each, with the peak per tier."""
@@ -479,7 +494,9 @@ def step_bytes(working: dict) -> dict[str, int]:
 def memory_forms(shape: Shape, xla: dict[str, Any], overhead: Overhead) -> dict[str, list[Linear]]:
   """The plan's peaks as linear forms of the placement fractions, one per tier and phase (the
   LP's memory constraints). Weight shares are proportional to the fractions of stored bytes,
-  the largest per-load quantities to the non-device share."""
+  the largest per-load quantities to the non-device share; joins of tensors split across tiers
+  are those of the template policy's own percents (the exact plan re-checks the rounded
+  result)."""
   cfg, policy, sizes = shape.cfg, shape.policy, shape.sizes
   full = dataclasses.replace(policy, w_gpu_percent=0, w_cpu_percent=100)
   totals = weight_totals(cfg, full, sizes)
@@ -492,7 +509,8 @@ def memory_forms(shape: Shape, xla: dict[str, Any], overhead: Overhead) -> dict[
   shares = Shares(
       weights={'device': term(wg=resident_all), 'host': term(wc=stored_all),
                'disk': term(wd=stored_all)},
-      loaded=term(wc=totals.loaded_max, wd=totals.loaded_max),
+      loaded=term(weight_totals(cfg, policy, sizes).join_max, wc=totals.loaded_max,
+                  wd=totals.loaded_max),
       transfer=term(wc=totals.transfer_max, wd=totals.transfer_max),
       disk_staging=term(wd=weight_totals(cfg, dataclasses.replace(
           policy, w_gpu_percent=0, w_cpu_percent=0), sizes).disk_stage_max),
@@ -601,9 +619,9 @@ class Planner:
     return self._steps[key]
 
   def shape(self, policy: Policy, prompt_len: int, gen_len: int, *,
-            return_logits: bool = False) -> Shape:
+            return_logits: bool = False, read_ahead: bool = False) -> Shape:
     return Shape(self.cfg, policy, self.sizes, prompt_len, gen_len, self.device_is_host,
-                 return_logits)
+                 return_logits, read_ahead)
 
   def working(self, policy: Policy, *, rows: int, device_rows: int, cpu_attention: bool,
               prompt_len: int, gen_len: int, temperature: float = 0.0,
@@ -614,9 +632,9 @@ class Planner:
     totals = weight_totals(self.cfg, policy, self.sizes)
     largest_tensor = None
     if policy.compress_weight:
-      largest_tensor = max((slot.shape for stage in distinct_stages(self.cfg)
+      largest_tensor = max((slot.full_shape for stage in distinct_stages(self.cfg)
                             for slot in stage_layout(self.cfg, policy, self.sizes, stage)
-                            if slot.packed), key=lambda shape: int(np.prod(shape)))
+                            if slot.packed), key=lambda shape: math.prod(shape))
     geom = Geometry(rows=rows, device_rows=device_rows, cpu_attention=cpu_attention,
                     prompt_len=prompt_len, total_len=prompt_len + gen_len - 1)
     key = (_approximations(policy), geom, temperature, top_p, totals.largest_load,
@@ -675,13 +693,23 @@ class Planner:
     return {k: max(one[k], one[k] + (b - 1) * (two[k] - one[k])) for k in one}
 
   def plan(self, policy: Policy, *, prompt_len: int, gen_len: int, return_logits: bool = False,
-           temperature: float = 0.0, top_p: float = 1.0,
-           estimate: bool = False) -> ExecutionPlan:
+           temperature: float = 0.0, top_p: float = 1.0, estimate: bool = False,
+           read_ahead: bool = False) -> ExecutionPlan:
     """The plan of a run of `policy`: exact (its steps compiled at their real shapes), or with
-    XLA's bytes estimated (`xla`)."""
+    XLA's bytes estimated (`xla`). The search plans without read-ahead (the least a policy
+    needs); `run_plan` adds it where the budgets have room."""
     xla = self.xla(policy, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
                    top_p=top_p, estimate=estimate)
-    return self._plan(self.shape(policy, prompt_len, gen_len, return_logits=return_logits), xla)
+    return self._plan(self.shape(policy, prompt_len, gen_len, return_logits=return_logits,
+                                 read_ahead=read_ahead), xla)
+
+  def run_plan(self, policy: Policy, budgets: dict[str, int | None], **kw) -> ExecutionPlan:
+    """The plan a run executes: reading disk weights two stages ahead where the budgets have
+    room for the second staging buffer, else one stage ahead (`plan`'s keywords)."""
+    ahead = self.plan(policy, read_ahead=True, **kw)
+    if policy.overlap and ahead.fits(budgets):
+      return ahead
+    return self.plan(policy, **kw)
 
   def weights_plan(self, policy: Policy) -> ExecutionPlan:
     """The plan's weight buffers alone (no step compiled): what placing the weights needs."""

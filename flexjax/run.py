@@ -227,8 +227,9 @@ def run(rc: RunConfig) -> dict[str, Any]:
                                          profile if profile and profile.name.startswith(
                                              device.platform) else None))
   policy, prediction = choose_policy(rc, cfg, planner, budgets, profile, prompt_len)
-  plan = planner.plan(policy, prompt_len=prompt_len, gen_len=rc.generation.gen_len,
-                      temperature=rc.generation.temperature, top_p=rc.generation.top_p)
+  plan = planner.run_plan(policy, budgets, prompt_len=prompt_len,
+                          gen_len=rc.generation.gen_len, temperature=rc.generation.temperature,
+                          top_p=rc.generation.top_p)
   head = {'model': cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': profile.name if profile else None,
           **_prediction_fields(prediction),
