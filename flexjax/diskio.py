@@ -35,16 +35,16 @@ class DiskFile:
                drop_page_cache: bool = False):
     self.path = Path(path)
     mode = os.O_RDWR if writable else os.O_RDONLY
-    self.direct = True
+    self.direct = hasattr(os, 'O_DIRECT')
+    self.why_buffered = '' if self.direct else 'this OS has no O_DIRECT'
     try:
       self.fd = os.open(self.path, mode | getattr(os, 'O_DIRECT', 0))
-      self.direct = hasattr(os, 'O_DIRECT')
     except OSError as e:
       if e.errno != errno.EINVAL:  # EINVAL: the filesystem refuses direct I/O (e.g. tmpfs)
         raise FlexjaxError(f'cannot open {str(self.path)!r} ({e.strerror}); check that it exists '
                            'and is readable') from None
       self.fd = os.open(self.path, mode)
-      self.direct = False
+      self.direct, self.why_buffered = False, 'O_DIRECT refused (EINVAL)'
     self.drop_page_cache = drop_page_cache and not self.direct
 
   def read_into(self, view: memoryview, offset: int) -> None:
@@ -58,6 +58,7 @@ class DiskFile:
           raise FlexjaxError(f'read of {str(self.path)!r} at byte {offset} failed '
                              f'({e.strerror})') from None
         self._reopen_buffered()
+        self.why_buffered = 'O_DIRECT reads refused (EINVAL)'
         continue
       if n <= 0:
         raise FlexjaxError(f'short read at byte {offset} of {str(self.path)!r}; the file was '

@@ -110,7 +110,6 @@ class Executor:
     self.cfg, self.policy, self.steps, self.mover = cfg, policy, steps, mover
     self.device, self.cpu = device, cpu
     self.num_stages = cfg.num_layers + 2
-    self._cache_stores: collections.deque = collections.deque()  # per step: write futures
 
   def execute(self, batches: list[Batch], gen, key, max_steps: int) -> tuple[float, float]:
     """Runs a block's steps. Returns (prefill seconds, decode seconds)."""
@@ -171,9 +170,6 @@ class Executor:
     finally:
       for future in releases:
         future.result()
-      # the last steps' cache write-backs finish before the mover stops its threads
-      concurrent.futures.wait([f for futures in self._cache_stores for f in futures])
-      self._cache_stores.clear()
       for future in inputs.values():
         mover.release(future.result())
       for future in weights.values():
@@ -203,7 +199,6 @@ class Executor:
       mover.release(inputs)
       return logits, None
     mover.begin_step_stores()
-    self._begin_cache_stores()
     if stage == 0:
       if token == 0:
         ids, positions = batch.tokens, np.cumsum(batch.mask, axis=1) * batch.mask - 1
@@ -233,35 +228,10 @@ class Executor:
     # bytes are returned by the store thread once the outputs exist.
     released = mover.release_when_ready(inputs, y)
     if written is not None:
-      with mover.clock.part('cache_write'):
-        for cache, rows in zip((k_cache, v_cache), written):
-          self._store_offloaded(cache, rows, slot)
+      for cache, rows in zip((k_cache, v_cache), written):
+        mover.store_cache_rows(cache, rows, slot)
     mover.store_hidden(batch.hidden, y)
     return y, released
-
-  def _begin_cache_stores(self) -> None:
-    """Starts a step's cache write-backs: waits for those of older steps, so the offloaded rows
-    of at most two steps (one without overlap) wait to be written (the plan's 'store.pending')."""
-    keep = 1 if self.policy.overlap else 0
-    while len(self._cache_stores) > keep:
-      for future in self._cache_stores.popleft():
-        future.result()
-    self._cache_stores.append([])
-
-  def _store_offloaded(self, cache: SplitArray, rows: jax.Array, slot: int) -> None:
-    """Writes the offloaded rows' new entries [offloaded rows, n, entry] (a step's output) to
-    their host and disk tiers at time `slot`, on the store thread."""
-    d = cache.rows['device']
-
-    def write():
-      # write_offloaded takes a whole batch's rows and writes rows [d:]; rows [0, d) stay unset
-      host = np.empty((d + rows.shape[0], *rows.shape[1:]), cache.dtype)
-      host[d:] = np.asarray(rows)
-      cache.write_offloaded(host, slot)
-
-    cache.wait()
-    cache.pending = self.mover.workers['store'].submit(write)
-    self._cache_stores[-1].append(cache.pending)
 
   def _end_token(self, token: int, batches: list[Batch]) -> None:
     """After the last stage of a token: the new slot of every cache becomes visible; the next

@@ -166,6 +166,16 @@ def t4_profile() -> HardwareProfile:
       bmm_flops={64: 0.079e12, 4096: 9.97e12}, cpu_flops=0.0123e12)
 
 
+def best_seconds(fn, repeats: int = 3) -> float:
+  """The shortest of `repeats` timed calls of fn (the least disturbed by a noisy machine)."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
 def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
             hidden: int = 2048, quick: bool = False) -> HardwareProfile:
   """Measures this machine: transfers, disk (page cache dropped), matmul and attention rates."""
@@ -177,18 +187,10 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   n = size_mb * 2**20 // 4
   host = np.random.default_rng(0).random(n, dtype=np.float32)
 
-  def best(fn, repeats=3):
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      fn()
-      times.append(time.perf_counter() - start)
-    return min(times)
-
   nbytes = host.nbytes
-  ctog = nbytes / best(lambda: jax.device_put(np.array(host), device).block_until_ready())
+  ctog = nbytes / best_seconds(lambda: jax.device_put(np.array(host), device).block_until_ready())
   on_device = jax.device_put(host, device)
-  gtoc = nbytes / best(lambda: np.array(on_device))
+  gtoc = nbytes / best_seconds(lambda: np.array(on_device))
   dtoc, ctod = _disk_rates(host, scratch_dir)
 
   def matmul_rate(rows, backend):
@@ -196,14 +198,14 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
     b = jax.device_put(np.ones((hidden, 4 * hidden), np.float32), backend)
     f = jax.jit(jnp.matmul)
     f(a, b).block_until_ready()
-    return 2 * rows * hidden * 4 * hidden / best(lambda: f(a, b).block_until_ready())
+    return 2 * rows * hidden * 4 * hidden / best_seconds(lambda: f(a, b).block_until_ready())
 
   def attention_rate(rows, backend):  # rows sequences attend over 512 positions, 64-wide heads
     q = jax.device_put(np.ones((rows, hidden // 64, 1, 64), np.float32), backend)
     k = jax.device_put(np.ones((rows, hidden // 64, 512, 64), np.float32), backend)
     f = jax.jit(lambda q, k: jnp.einsum('bnqd,bntd->bnqt', q, k))
     f(q, k).block_until_ready()
-    return 2 * rows * hidden * 512 / best(lambda: f(q, k).block_until_ready())
+    return 2 * rows * hidden * 512 / best_seconds(lambda: f(q, k).block_until_ready())
 
   sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048)
   mm = {m: matmul_rate(m, device) for m in sizes}

@@ -112,6 +112,8 @@ class Mover:
       self.workers = {name: _Inline() for name in ('load', 'weights', 'store')}
 
   def stop(self) -> None:
+    """Finishes the write-backs under way (they hold results), then stops the threads."""
+    concurrent.futures.wait([f for step in self._pending_stores for f in step])
     for worker in self.workers.values():
       worker.shutdown(wait=True, cancel_futures=True)
     self.workers = {}
@@ -306,17 +308,13 @@ class Mover:
         future.result()
     self._pending_stores.append([])
 
-  def store_cache(self, cache: SplitArray, value: jax.Array, slot: int) -> None:
-    if self.policy.compress_cache:  # [b, n, hidden] -> byte rows [b, n, row_bytes]
-      value = self.clock.ready(self.steps.quantize(value))
-    d = cache.rows['device']
+  def store_cache_rows(self, cache: SplitArray, rows: jax.Array, slot: int) -> None:
+    """Writes the offloaded rows' new entries [offloaded rows, n, entry] (a step's output) to
+    their host and disk tiers at time `slot`, on the store thread."""
     with self.clock.part('cache_write'):
-      if d:
-        cache.device = self.clock.ready(self.steps.write_kv(cache.device, value[:d], slot))
-      if cache.offloaded_rows:
-        cache.wait()
-        cache.pending = self.workers['store'].submit(cache.write_offloaded, value, slot)
-        self._pending_stores[-1].append(cache.pending)
+      cache.wait()
+      cache.pending = self.workers['store'].submit(cache.write_offloaded_rows, rows, slot)
+      self._pending_stores[-1].append(cache.pending)
 
   def store_hidden(self, hidden: SplitArray, value: jax.Array) -> None:
     d = hidden.rows['device']

@@ -324,10 +324,13 @@ class SplitArray:
 
   def write_offloaded(self, value: jax.Array, start: int) -> None:
     """Writes rows d: of value [batch, n, ...] into time [start, start+n) of host and disk."""
-    if not self.offloaded_rows:
-      return
-    d = self.rows['device']
-    host_value = np.asarray(value[d:])  # device -> host
+    if self.offloaded_rows:
+      self.write_offloaded_rows(value[self.rows['device']:], start)
+
+  def write_offloaded_rows(self, rows, start: int) -> None:
+    """Writes the offloaded rows' entries [offloaded rows, n, ...] into time [start, start+n)
+    of host and disk."""
+    host_value = np.asarray(rows)  # device -> host
     n = host_value.shape[1]
     h = self.rows['host']
     if self.host is not None:

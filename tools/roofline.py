@@ -29,37 +29,27 @@ measured time (1.0: at the hardware's limit).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
-import mmap
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from flexjax import diskio
 from flexjax.errors import FlexjaxError
+from flexjax.hardware import best_seconds
 
 LINKS = ('disk_read', 'disk_write', 'host_device')
 PHASES = ('prefill', 'decode')
-ALIGN = 4096  # O_DIRECT offsets, lengths and buffers
+ALIGN = diskio.BLOCK  # O_DIRECT offsets, lengths and buffers
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def _best(fn: Callable[[], Any], repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
-
-
 def _grow_and_time(run_at: Callable[[int], Callable[[], Any]], *, start_n: int = 512,
                    max_n: int = 8192, target_s: float = 0.25,
                    repeats: int = 3) -> tuple[float, int]:
@@ -69,9 +59,9 @@ def _grow_and_time(run_at: Callable[[int], Callable[[], Any]], *, start_n: int =
   while True:
     fn = run_at(n)
     fn()  # compile / warm up
-    one = _best(fn, 1)
+    one = best_seconds(fn, 1)
     if one >= target_s or n >= max_n:
-      return 2 * n**3 / min(one, _best(fn, max(1, repeats - 1))), n
+      return 2 * n**3 / min(one, best_seconds(fn, max(1, repeats - 1))), n
     n *= 2
 
 
@@ -119,9 +109,9 @@ def host_device_bandwidth(*, nbytes: int = 256 * 2**20, device=None) -> tuple[fl
   if device.platform == 'cpu':
     dst = np.empty_like(src)
     np.copyto(dst, src)
-    return nbytes / _best(lambda: np.copyto(dst, src), 5), 'memcpy (numpy copyto)'
+    return nbytes / best_seconds(lambda: np.copyto(dst, src), 5), 'memcpy (numpy copyto)'
   jax.device_put(src, device).block_until_ready()
-  return nbytes / _best(lambda: jax.device_put(src, device).block_until_ready(), 5), (
+  return nbytes / best_seconds(lambda: jax.device_put(src, device).block_until_ready(), 5), (
       'jax.device_put')
 
 
@@ -164,53 +154,23 @@ def _drop_from_page_cache(path: str) -> None:
     os.close(fd)
 
 
-def _open_direct(path: str) -> tuple[int | None, str]:
-  """An O_DIRECT descriptor that really reads, or (None, why not)."""
-  flag = getattr(os, 'O_DIRECT', None)
-  if flag is None:
-    return None, 'this OS has no O_DIRECT'
+def _read_all(path: str, *, file_bytes: int, chunk_bytes: int,
+              threads: int) -> tuple[float, bool, str]:
+  """Reads the file as flexjax reads weights (diskio: O_DIRECT where allowed, chunk_bytes per
+  request on `threads` I/O threads), a window of threads x chunk_bytes at a time. Returns
+  (seconds, whether direct, why not)."""
+  file = diskio.DiskFile(path)
+  reader = diskio.Reader(threads, chunk=chunk_bytes)
+  window = diskio.aligned_buffer(threads * chunk_bytes)
   try:
-    fd = os.open(path, os.O_RDONLY | flag)
-  except OSError as e:
-    return None, f'O_DIRECT refused ({errno.errorcode.get(e.errno, e.errno)})'
-  probe = mmap.mmap(-1, ALIGN)
-  try:
-    os.preadv(fd, [probe], 0)
-  except OSError as e:
-    os.close(fd)
-    return None, f'O_DIRECT reads refused ({errno.errorcode.get(e.errno, e.errno)})'
+    start = time.perf_counter()
+    for offset in range(0, file_bytes, len(window)):
+      length = min(len(window), file_bytes - offset)
+      diskio.wait(reader.read(file, offset, window[:length]))
+    return time.perf_counter() - start, file.direct, file.why_buffered
   finally:
-    probe.close()
-  return fd, ''
-
-
-def _read_all(fd: int, *, file_bytes: int, chunk_bytes: int, threads: int) -> float:
-  """Reads the file with `threads` threads, chunk i by thread i % threads; returns seconds."""
-  errors: list[BaseException] = []
-
-  def reader(first: int) -> None:
-    buf = mmap.mmap(-1, chunk_bytes)  # page-aligned
-    try:
-      for offset in range(first * chunk_bytes, file_bytes, threads * chunk_bytes):
-        length = min(chunk_bytes, file_bytes - offset)
-        n = os.preadv(fd, [memoryview(buf)[:length]], offset)
-        if n != length:
-          raise OSError(f'short read: {n} of {length} bytes at offset {offset}')
-    except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
-      errors.append(e)
-    finally:
-      buf.close()
-
-  workers = [threading.Thread(target=reader, args=(t,)) for t in range(threads)]
-  start = time.perf_counter()
-  for w in workers:
-    w.start()
-  for w in workers:
-    w.join()
-  elapsed = time.perf_counter() - start
-  if errors:
-    raise errors[0]
-  return elapsed
+    reader.close()
+    file.close()
 
 
 def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
@@ -234,16 +194,10 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
   try:
     write_s = _write_file(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes)
     _drop_from_page_cache(path)
-    fd, note = _open_direct(path)
-    direct = fd is not None
+    read_s, direct, note = _read_all(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes,
+                                     threads=threads)
     if not direct:
       note += '; read buffered after dropping the file from the page cache'
-      _drop_from_page_cache(path)
-      fd = os.open(path, os.O_RDONLY)
-    try:
-      read_s = _read_all(fd, file_bytes=file_bytes, chunk_bytes=chunk_bytes, threads=threads)
-    finally:
-      os.close(fd)
   finally:
     os.unlink(path)
   return DiskProbe(read_bw=file_bytes / read_s, write_bw=file_bytes / write_s, o_direct=direct,
