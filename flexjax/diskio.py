@@ -110,8 +110,6 @@ class Reader:
       raise FlexjaxError(f'io_threads={threads} must be between 1 and 16')
     self.chunk = chunk
     self._pool = concurrent.futures.ThreadPoolExecutor(threads, 'flexjax-io')
-    # Casts get threads of their own, so they never queue behind the reads ahead of them.
-    self._cast_pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2, 'flexjax-cast')
 
   def read(self, file: DiskFile, offset: int, out: np.ndarray) -> list[concurrent.futures.Future]:
     """Starts reading len(out) bytes from `offset` into `out` (uint8, C-contiguous). Returns
@@ -120,20 +118,8 @@ class Reader:
     return [self._pool.submit(file.read_into, view[start:start + self.chunk], offset + start)
             for start in range(0, len(view), self.chunk)]
 
-  def convert(self, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """`array` cast to `dtype` in a fresh aligned array, CHUNK-sized slices at once on one thread
-    per core (numpy's casts release the GIL): a weight read as float16 becomes the float32 the
-    CPU backend computes with, at a few times the speed of one thread."""
-    out = aligned_buffer(array.size * np.dtype(dtype).itemsize).view(dtype).reshape(array.shape)
-    flat_in, flat_out = array.reshape(-1), out.reshape(-1)
-    step = max(1, self.chunk // array.dtype.itemsize)
-    wait([self._cast_pool.submit(np.copyto, flat_out[i:i + step], flat_in[i:i + step])
-          for i in range(0, array.size, step)])
-    return out
-
   def close(self) -> None:
     self._pool.shutdown(wait=True, cancel_futures=False)
-    self._cast_pool.shutdown(wait=True, cancel_futures=False)
 
 
 def wait(futures: list[concurrent.futures.Future]) -> None:

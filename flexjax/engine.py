@@ -325,7 +325,8 @@ class Engine:
     put = lambda a: jax.device_put(np.array(a, copy=True), self.device)
     x = None
     for index in range(len(self._stages)):
-      params, loaded = mover.load_weights(index)
+      loaded = mover.load_weights(index)
+      params = loaded.params
       try:
         if index == 0:
           x = self.steps.embed(params, put(tokens), put(opt.positions_from_mask(mask)))

@@ -117,7 +117,8 @@ class Executor:
     steps = list(block_schedule(max_steps, self.num_stages, len(batches)))
     weights: dict[int, concurrent.futures.Future] = {}
     inputs: dict[Step, concurrent.futures.Future] = {}
-    current: tuple | None = None  # (params, device bytes loaded)
+    current = None  # the stage's mover.Loaded weights
+    stage_outputs: list = []  # outputs of the steps that used them
     in_flight: collections.deque = collections.deque()  # outputs of dispatched steps
     releases: list[concurrent.futures.Future] = []
     previous_stage_out = None
@@ -129,8 +130,8 @@ class Executor:
         clock.phase = 'decode' if step.token else 'prefill'
         if step.batch == 0:  # a new stage
           if current is not None:
-            mover.free_weights(current[1])
-            current = None
+            mover.free_weights(current, stage_outputs)
+            current, stage_outputs = None, []
           with clock.part('weight_read'):
             future = weights.pop(step.stage, None) or mover.workers['weights'].submit(
                 mover.load_weights, step.stage)
@@ -147,8 +148,9 @@ class Executor:
         while len(in_flight) >= (2 if overlap else 1):
           jax.block_until_ready(in_flight.popleft())
         with clock.part('compute'):
-          output, released = self._compute(step, batch, current[0], loaded, gen, key)
+          output, released = self._compute(step, batch, current.params, loaded, gen, key)
           in_flight.append(output)
+          stage_outputs.append(output)
           if released is not None:
             releases.append(released)
           while len(releases) > 1:
@@ -173,10 +175,10 @@ class Executor:
       for future in inputs.values():
         mover.release(future.result())
       for future in weights.values():
-        mover.free_weights(future.result()[1])
-      if current is not None:
-        mover.free_weights(current[1])
+        mover.free_weights(future.result())
       jax.block_until_ready(list(in_flight))
+      if current is not None:
+        mover.free_weights(current)
     return prefill_s, time.perf_counter() - start - prefill_s
 
   # ---- per-step work ----------------------------------------------------------------------------

@@ -64,10 +64,55 @@ class Clock:
 
 @dataclasses.dataclass
 class _StageRead:
-  """A stage's disk-tier tensors being read into staging: path -> (view, chunk futures)."""
+  """A stage's disk-tier tensors being read into a staging buffer: slot -> (view, chunk
+  futures)."""
 
   nbytes: int
   parts: dict
+  buffer: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+  """A stage's weights on the device, and what they hold until freed: device bytes, and on a
+  CPU backend the staging buffer the device arrays are (None elsewhere)."""
+
+  params: dict
+  nbytes: int
+  buffer: np.ndarray | None = None
+
+
+class StagingBuffers:
+  """Aligned host buffers for a stage's disk reads, reused from stage to stage. A fresh buffer
+  per read is faulted in and zeroed by the kernel on first touch, which costs as much CPU as
+  the read (on a 2-core VM: 3 GB/s into fresh buffers, 5 GB/s into reused ones). A buffer is
+  reused once every array using it is ready: nothing (a GPU copies it while loading) or the
+  outputs of the steps that used the stage's weights (a CPU backend computes on it)."""
+
+  def __init__(self, nbytes: int):
+    self.nbytes = nbytes
+    self._free: list[np.ndarray] = []
+    self._waiting: collections.deque = collections.deque()  # (buffer, arrays to be ready)
+    self._lock = threading.Lock()
+    self.allocated = 0
+
+  def take(self) -> np.ndarray:
+    with self._lock:
+      while self._waiting and all(a.is_ready() for a in self._waiting[0][1]):
+        self._free.append(self._waiting.popleft()[0])
+      if self._free:
+        return self._free.pop()
+      self.allocated += 1
+    return diskio.aligned_buffer(self.nbytes)
+
+  def give_back(self, buffer: np.ndarray, after=()) -> None:
+    with self._lock:
+      self._waiting.append((buffer, [a for a in jax.tree.leaves(after)
+                                     if isinstance(a, jax.Array)]))
+
+
+def value_bytes(value):
+  return value.data if isinstance(value, quant_lib.Packed) else value
 
 
 class _Inline:
@@ -99,6 +144,9 @@ class Mover:
     self.device_is_host = device_is_host
     self.reader = reader
     self.reads_ahead = read_ahead  # the plan holds a second staging buffer for it
+    self.staging = StagingBuffers(max(
+        (sum(value_bytes(v).padded for slot, v in stage if slot.tier == 'disk')
+         for stage in stages), default=0))
     self._reads: dict[int, _StageRead | None] = {}  # stage -> its disk reads under way
     self._reads_lock = threading.Lock()
     self.workers: dict = {}
@@ -142,28 +190,33 @@ class Mover:
       return None
     nbytes = sum(t.padded for _, t in tensors)
     self.storage.reserve('host', nbytes, 'weights.staging')
-    buffer = diskio.aligned_buffer(nbytes)
+    buffer = self.staging.take()
     parts, offset = {}, 0
     for slot, t in tensors:
       part = buffer[offset:offset + t.padded]
       parts[slot] = (t.view(part), self.reader.read(t.file, t.start, part))
       offset += t.padded
-    return _StageRead(nbytes, parts)
+    return _StageRead(nbytes, parts, buffer)
 
-  def _finish_read(self, read: '_StageRead | None') -> None:
+  def _finish_read(self, read: '_StageRead | None', *, keep: bool = False) -> None:
+    """Waits for a stage's reads; its buffer goes back unless `keep` (the device arrays of a
+    CPU backend are that buffer: it goes back with the weights, see free_weights)."""
     if read is not None:
       for _, futures in read.parts.values():
         concurrent.futures.wait(futures)
       self.storage.free('host', read.nbytes, 'weights.staging')
+      if not keep:
+        self.staging.give_back(read.buffer)
 
   def load_weights(self, index: int, after=None):
     """Brings a stage's weights to the device once `after` (the previous stage's last outputs)
     exist, so at most two stages' loaded weights are alive; its disk reads start before that
-    wait. A tensor split across tiers is joined on the device. Returns (params, bytes held)."""
+    wait. A tensor split across tiers is joined on the device."""
     with self._reads_lock:
       read = self._reads.pop(index) if index in self._reads else self._start_reads(index)
     parts: dict = {}  # path -> [(slot, device value)] in row order
     loaded = 0
+    done = False
     try:
       if after is not None:
         jax.block_until_ready(after)
@@ -173,13 +226,15 @@ class Mover:
           value = self._load_tensor(slot, value, read)
         parts.setdefault(slot.path, []).append((slot, value))
       tree = {path: self._join(pieces) for path, pieces in parts.items()}
+      done = True
     except BaseException:
       self.storage.free('device', loaded, 'weights.loaded')
       raise
     finally:
-      self._finish_read(read)
+      self._finish_read(read, keep=done and self.device_is_host)
     self.stats['weight_loads'][self.stage_names[index]] += 1
-    return params_lib.unflatten(tree), loaded
+    return Loaded(params_lib.unflatten(tree), loaded,
+                  read.buffer if read is not None and self.device_is_host else None)
 
   def _reserve_loaded(self, nbytes: int) -> int:
     self.storage.reserve('device', nbytes, 'weights.loaded')
@@ -194,8 +249,9 @@ class Mover:
     return jnp.concatenate(values, axis=0).block_until_ready()
 
   def _load_tensor(self, slot, value, read: '_StageRead | None') -> jax.Array:
-    """One non-resident tensor (or part) to the device, cast (or dequantized) there; waits for
-    it, so only one tensor is in flight."""
+    """One non-resident tensor (or part) to the device as stored (packed ones dequantized
+    there; the steps cast the rest a tile at a time); waits for it, so only one tensor is in
+    flight. On a CPU backend an aligned host array becomes a device array without a copy."""
     packed = isinstance(value, quant_lib.Packed)
     stored = value.data if packed else value
     if slot.tier == 'disk':
@@ -207,15 +263,9 @@ class Mover:
       host = stored
     self.storage.reserve('device', stored.nbytes, 'weights.transfer')
     try:
-      if self.device_is_host and not packed and host.dtype != self.steps.compute:
-        # On a CPU backend the cast runs on the I/O threads and the result is taken as is
-        # (an aligned host array becomes a device array without a copy).
-        out = jax.device_put(self.reader.convert(host, self.steps.compute), self.storage.device)
-      else:
-        moved = jax.device_put(host, self.storage.device)
-        out = (self.steps.dequantize(quant_lib.Packed(moved, value.dim, value.config))
-               if packed else self.steps.cast(moved))
-        del moved
+      out = jax.device_put(host, self.storage.device)
+      if packed:
+        out = self.steps.dequantize(quant_lib.Packed(out, value.dim, value.config))
       out = out.block_until_ready()
       del host
     finally:
@@ -223,8 +273,12 @@ class Mover:
     self.stats['bytes_moved']['weights'] += stored.nbytes
     return out
 
-  def free_weights(self, loaded: int) -> None:
-    self.storage.free('device', loaded, 'weights.loaded')
+  def free_weights(self, loaded: Loaded, after=()) -> None:
+    """Frees a stage's loaded weights; its staging buffer is reused once `after` (the outputs
+    of every step that used them) is ready."""
+    self.storage.free('device', loaded.nbytes, 'weights.loaded')
+    if loaded.buffer is not None:
+      self.staging.give_back(loaded.buffer, after)
 
   # ---- inputs -----------------------------------------------------------------------------------
   def load_inputs(self, step, batch) -> dict:

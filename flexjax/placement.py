@@ -83,10 +83,7 @@ def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage
       array = whole[lo:hi]
       if slot.tier == 'device':
         storage.reserve('device', slot.resident, 'weights.resident')
-        value = jax.device_put(array, storage.device)
-        if not slot.packed:
-          value = steps.cast(value)
-        value.block_until_ready()  # the host copy is dropped next
+        value = jax.device_put(array, storage.device).block_until_ready()  # as stored
       else:
         value = storage.host_array(array.shape, array.dtype, 'weights.host')
         value[...] = array

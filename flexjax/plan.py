@@ -119,7 +119,7 @@ class TensorSlot:
   tier: str
   packed: bool  # stored quantized (in every tier, the device included)
   stored: int  # bytes where they live (storage dtype, or packed bytes)
-  loaded: int  # bytes on the device once loaded (compute dtype; dequantized once per load)
+  loaded: int  # bytes on the device once loaded (as stored; packed ones dequantized once per load)
   rows: tuple[int, int]
   full_shape: tuple[int, ...]  # of the whole tensor
   join: int = 0  # device bytes joining a split tensor's parts when it is loaded (first offloaded
@@ -127,8 +127,9 @@ class TensorSlot:
 
   @property
   def resident(self) -> int:
-    """Bytes of a device-resident tensor (packed stays packed; the rest in compute dtype)."""
-    return self.stored if self.packed else self.loaded
+    """Bytes of a device-resident tensor: as stored (packed ones are dequantized in the step,
+    the others cast a tile at a time at their products)."""
+    return self.stored
 
   @property
   def whole(self) -> bool:
@@ -157,7 +158,7 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
   out = []
   for path in order:
     shape, count = shapes[path], shapes[path][0]
-    whole_loaded = math.prod(shape) * sizes.compute
+    whole_loaded = math.prod(shape) * _loaded_itemsize(policy, sizes, shape)
     split_load = len(parts[path]) > 1 and any(t != 'device' for t, _, _ in parts[path])
     first_offloaded = True
     for tier, lo, hi in parts[path]:
@@ -171,6 +172,12 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
                             stored[path] * (hi - lo) // count, whole_loaded * (hi - lo) // count,
                             (lo, hi), tuple(shape), join))
   return tuple(out)
+
+
+def _loaded_itemsize(policy: Policy, sizes: Itemsizes, shape: tuple[int, ...]) -> int:
+  """Bytes per value of a tensor loaded to the device: dequantized into the compute dtype if
+  packed, else as stored."""
+  return sizes.compute if compressed(policy, shape) else sizes.storage
 
 
 def _stored_bytes(policy: Policy, sizes: Itemsizes, shape: tuple[int, ...]) -> int:
@@ -210,10 +217,10 @@ class WeightTotals:
   transfer_max: int  # the largest non-resident tensor as stored (in flight to the device)
   disk_stage_max: int  # the largest stage's disk tensors, 4 KiB-aligned (read into staging)
   stage_max: int  # the largest stage as stored, token embedding aside (read while placing)
-  resident_transfer_max: int  # the largest device-resident tensor as stored (put, then cast)
+  resident_transfer_max: int  # the largest device-resident tensor as stored
   tensor_max: int  # the largest tensor but the tokens' (float32 while dummy weights are drawn)
   tokens: int  # the token embedding as stored (read once, placed in two stages)
-  largest_load: tuple | None  # (shape, packed dim or None) of the largest loaded tensor
+  largest_load: tuple | None  # (packed shape, dim) of the largest tensor dequantized on load
 
 
 def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightTotals:
@@ -231,11 +238,10 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
       if slot.tier != 'device':
         transfer_max = max(transfer_max, slot.stored)
         whole = math.prod(slot.full_shape) * sizes.compute
-        if whole > largest_loaded:  # the whole tensor bounds a part's cast, and depends less
+        if slot.packed and whole > largest_loaded:  # the whole tensor bounds a part's cast, and depends less
           largest_loaded = whole    # on the percents (fewer distinct compiles in the search)
           shape = slot.full_shape
-          largest_load = ((*shape[:-1], policy.quant.row_bytes(shape[-1])),
-                          shape[-1]) if slot.packed else (shape, None)
+          largest_load = ((*shape[:-1], policy.quant.row_bytes(shape[-1])), shape[-1])
       if slot.tier == 'device':
         resident_max = max(resident_max, slot.stored)
     loaded_max = max(loaded_max, sum(s.loaded + s.join for s in layout if s.tier != 'device'))
@@ -536,11 +542,13 @@ def _as_linear(value) -> Linear:
 
 
 # ---- compiled working memory --------------------------------------------------------------------
-def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
-                compute_dtype: str) -> dict[str, dict]:
+def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, compute_dtype: str,
+                storage_dtype: str) -> dict[str, dict]:
   """Loaded parameter trees of the embed, layer and head steps as shape structs: device-resident
-  quantized tensors stay packed (dequantized inside the step), the rest in the compute dtype."""
+  quantized tensors stay packed (dequantized inside the step), other quantized ones arrive
+  dequantized into the compute dtype, the rest as stored."""
   dtype = np_dtype(compute_dtype)
+  storage = np_dtype(storage_dtype)
   out = {}
   for kind, stage in (('embed', 'embed'), ('layer', params_lib.layer_name(0)), ('head', 'head')):
     flat = {}
@@ -550,7 +558,7 @@ def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
         data = jax.ShapeDtypeStruct((*shape[:-1], policy.quant.row_bytes(shape[-1])), np.uint8)
         flat[slot.path] = Packed(data, shape[-1], policy.quant)
       else:
-        flat[slot.path] = jax.ShapeDtypeStruct(shape, dtype)
+        flat[slot.path] = jax.ShapeDtypeStruct(shape, dtype if slot.packed else storage)
     out[kind] = params_lib.unflatten(flat)
   return out
 
@@ -585,12 +593,14 @@ class Planner:
     # read from this backend's compile of the same functions
     self.device_is_host = device.platform == 'cpu' if device_is_host is None else device_is_host
     # A GPU target planned on a CPU: XLA:CPU widens float16 math to float32 (with float32
-    # copies of the weights) where a GPU would not, so the steps are compiled in float32 and
+    # copies of the weights) where a GPU would not, so the steps are compiled in float32, with
+    # weights in float32 too (a GPU computes on its stored dtype, with no cast tiles), and
     # their bytes scaled to the compute dtype's size.
     self.scale = 1.0
     self.compile_dtypes = dict(self.dtypes)
     if device.platform == 'cpu' and not self.device_is_host:
-      self.compile_dtypes.update(compute_dtype='float32', cache_dtype='float32')
+      self.compile_dtypes.update(compute_dtype='float32', cache_dtype='float32',
+                                 storage_dtype='float32')
       self.scale = self.sizes.compute / 4
     self.overhead = overhead
     self._steps: dict[tuple, Any] = {}
@@ -608,6 +618,10 @@ class Planner:
                cache_dtype=names[sizes.cache], device=cpu, cpu=cpu,
                overhead=overhead or hardware.runtime_overhead('cpu' if device_is_host else 'gpu'),
                device_is_host=device_is_host)
+
+  def _spec_dtypes(self) -> dict[str, str]:
+    return dict(compute_dtype=self.compile_dtypes['compute_dtype'],
+                storage_dtype=self.compile_dtypes['storage_dtype'])
 
   def steps(self, policy: Policy):
     """The jitted step functions for a policy's approximations (shared by equal ones)."""
@@ -641,7 +655,7 @@ class Planner:
            largest_tensor)
     if key not in self._working:
       working = self.steps(policy).working_memory(
-          params=param_specs(self.cfg, policy, self.sizes, self.compile_dtypes['compute_dtype']),
+          params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes()),
           geom=geom, temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
           largest_tensor=largest_tensor)
       self._working[key] = {k: v.scaled(self.scale) for k, v in working.items()}
@@ -651,21 +665,22 @@ class Planner:
                   temperature: float = 0.0, top_p: float = 1.0) -> None:
     """Compiles every function a run of `policy` calls (the run's warm-up: jax's jit reuses
     the executables): its plan's steps (`working`), then the rest (steps.Steps.compile_rest),
-    among them the cast of every distinct weight tensor, or part of one, that it loads."""
+    among them the dequantization of every distinct packed weight tensor, or part of one, that
+    it loads."""
     self.working(policy, rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
                  cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
                  temperature=temperature, top_p=top_p)
     loads = tuple(sorted({((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
-                           slot.shape[-1]) if slot.packed else (slot.shape, None)
+                           slot.shape[-1])
                           for stage in distinct_stages(self.cfg)
                           for slot in stage_layout(self.cfg, policy, self.sizes, stage)
-                          if slot.tier != 'device'}, key=repr))
+                          if slot.tier != 'device' and slot.packed}, key=repr))
     from flexjax.steps import Geometry
     geom = Geometry.of(policy, prompt_len=prompt_len, gen_len=gen_len)
     key = (_approximations(policy), geom, temperature, top_p, loads)
     if key not in self._compiled_rest:
       self.steps(policy).compile_rest(
-          params=param_specs(self.cfg, policy, self.sizes, self.compile_dtypes['compute_dtype']),
+          params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes()),
           geom=geom, temperature=temperature, top_p=top_p, loads=loads)
       self._compiled_rest.add(key)
 

@@ -144,7 +144,6 @@ class Steps:
     self.prefill = jax.jit(functools.partial(opt.decoder_prefill, **kw, cache_dtype=self.cache))
     self.quantize = jax.jit(functools.partial(quant_lib.quantize, config=policy.quant))
     self.write_kv = jax.jit(_write, donate_argnums=(0,))
-    self.cast = jax.jit(lambda a: a.astype(self.compute))
     self.dequantize = jax.jit(lambda p: quant_lib.unpack(p, self.compute))
 
   def cache_entry(self) -> tuple[int, np.dtype]:
@@ -225,7 +224,8 @@ class Steps:
     """Compiles the functions a run calls, at its real shapes and with the shardings its
     arguments have there, and returns XLA's bytes per step kind: every layer step as the run
     calls it (`prefill_step`, `decode_step`), the embedding and the head at the prompt's shapes,
-    the cast of the largest loaded tensor (`compile_rest` compiles the rest, no larger).
+    the dequantization of the largest loaded packed tensor (`compile_rest` compiles the rest,
+    no larger).
 
     The run's jit calls find these compilations in jax's caches (the lowering is cached on the
     traced function, its shardings and static arguments): no step compiles while a run is timed.
@@ -233,8 +233,8 @@ class Steps:
     Args:
       params: stage kind ('embed', 'layer', 'head') -> {path: ShapeDtypeStruct or Packed of one}
         as the step receives them once loaded.
-      largest_load: (stored shape, packed dim or None) of the largest tensor cast or
-        dequantized when weights are loaded, or None when nothing is loaded.
+      largest_load: (packed shape, dim) of the largest tensor dequantized when weights are
+        loaded, or None when no packed tensor is loaded.
       largest_tensor: shape of the largest weight matrix, quantized on the CPU backend while
         weights are placed (compress_weight), else None.
     Returns:
@@ -270,8 +270,7 @@ class Steps:
                    top_p: float, loads: tuple = ()) -> None:
     """Compiles what a run calls besides the functions `working_memory` compiled: the
     embedding and the head at the decode shapes (their XLA bytes are at most those at the
-    prompt's), and the cast or dequantization of every loaded tensor ((stored shape, packed
-    dim or None) each)."""
+    prompt's), and the dequantization of every loaded packed tensor ((packed shape, dim) each)."""
     on = lambda tree: jax.tree.map(lambda a: _spec(a.shape, a.dtype, self.device), tree)
     ids = _spec((geom.rows, 1), np.int32, self.device)
     _analyse(self.embed, on(params['embed']), ids, ids)
@@ -287,11 +286,9 @@ class Steps:
     counters = _spec((3,), np.uint32, self.device)
     return _analyse(self.head, params, x, counters, temperature=temperature, top_p=top_p)
 
-  def analyse_load(self, shape: tuple[int, ...], dim: int | None) -> StepMemory:
-    """Compiles the cast (dim None) or dequantization of a loaded tensor stored as `shape`."""
-    stored = _spec(shape, np.uint8 if dim is not None else self.storage, self.device)
-    if dim is None:
-      return _analyse(self.cast, stored)
+  def analyse_load(self, shape: tuple[int, ...], dim: int) -> StepMemory:
+    """Compiles the dequantization of a loaded tensor packed as `shape` (uint8 rows)."""
+    stored = _spec(shape, np.uint8, self.device)
     return _analyse(self.dequantize, quant_lib.Packed(stored, dim, self.policy.quant))
 
   def _cache_specs(self, geom: Geometry):

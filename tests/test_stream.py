@@ -157,15 +157,3 @@ def test_a_full_disk_is_a_one_line_error_before_any_work(tmp_path, what):
 def test_io_threads_are_validated():
   with pytest.raises(FlexjaxError, match='io_threads=0 must be between 1 and 16'):
     diskio.Reader(threads=0)
-
-
-def test_convert_casts_in_chunks_exactly():
-  reader = diskio.Reader(threads=2, chunk=1000)  # 500 float16 values per slice
-  try:
-    values = np.random.default_rng(1).standard_normal((37, 101)).astype(np.float16)
-    values[0, :4] = [np.inf, -np.inf, 6e-8, 0]
-    out = reader.convert(values, np.dtype(np.float32))
-    assert out.dtype == np.float32 and out.ctypes.data % diskio.BLOCK == 0
-    np.testing.assert_array_equal(out, values.astype(np.float32))
-  finally:
-    reader.close()

@@ -1,7 +1,8 @@
 """Pure OPT layer math: (params, inputs, kv) -> (outputs, new kv). Jitted one layer at a time.
 
-Parameters arrive in their storage dtype and are cast to the compute dtype right before use.
-Kernels are [in, out]. Shapes are marked as [batch, seq, hidden]; the KV cache of one layer is
+Parameters arrive in their storage dtype. Vectors are cast to the compute dtype on entry,
+quantized tensors dequantized; matrices are cast at their products, a tile at a time
+(model/linear.py), and embeddings row by row as they are looked up. Kernels are [in, out]. Shapes are marked as [batch, seq, hidden]; the KV cache of one layer is
 [batch, time, hidden] for K and for V (heads merged, head-major inside the hidden axis).
 """
 
@@ -11,15 +12,18 @@ import jax
 import jax.numpy as jnp
 
 from flexjax.config import ModelConfig
+from flexjax.model import linear
 from flexjax.quant import Packed, QuantConfig, dequantize, unpack
 
 Params = dict
 
 
 def _cast(tree: Params, dtype) -> Params:
-  """Parameters in the compute dtype; quantized tensors are dequantized here, right before use."""
+  """Vectors in the compute dtype and quantized tensors dequantized into it, here, right before
+  use; other matrices stay as stored (cast where they are used)."""
   return jax.tree_util.tree_map(
-      lambda a: unpack(a, dtype) if isinstance(a, Packed) else a.astype(dtype), tree,
+      lambda a: (unpack(a, dtype) if isinstance(a, Packed)
+                 else a.astype(dtype) if a.ndim < 2 else a), tree,
       is_leaf=lambda a: isinstance(a, Packed))
 
 
@@ -42,7 +46,7 @@ def layer_norm(p: Params, x: jax.Array, eps: float) -> jax.Array:
 
 
 def dense(p: Params, x: jax.Array) -> jax.Array:
-  y = jnp.einsum('...i,io->...o', x, p['kernel'])
+  y = linear.dense(x, p['kernel'], x.dtype)
   return y + p['bias'] if 'bias' in p else y
 
 
@@ -56,10 +60,10 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Model
           compute_dtype) -> jax.Array:
   """Token + learned position embedding. tokens, positions: [b, s] -> [b, s, hidden]."""
   p = _cast(params, compute_dtype)
-  x = jnp.take(p['tokens'], tokens, axis=0)  # [b, s, embed_dim]
+  x = jnp.take(p['tokens'], tokens, axis=0).astype(compute_dtype)  # [b, s, embed_dim]
   if cfg.has_projection:
     x = dense(p['project_in'], x)
-  return x + jnp.take(p['positions'], positions + 2, axis=0)
+  return x + jnp.take(p['positions'], positions + 2, axis=0).astype(compute_dtype)
 
 
 def head(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype) -> jax.Array:
@@ -70,7 +74,7 @@ def head(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype) -> ja
     x = layer_norm(p.get('final_ln', {}), x, cfg.layer_norm_eps)
   if cfg.has_projection:
     x = dense(p['project_out'], x)
-  return jnp.einsum('bse,ve->bsv', x, p['tokens']).astype(jnp.float32)
+  return linear.dense_transposed(x, p['tokens'], compute_dtype).astype(jnp.float32)
 
 
 def _split_heads(x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -1,0 +1,72 @@
+"""Matrix products against weights kept in their storage dtype.
+
+Weights reach a step as stored (float16, say) and are cast to the compute dtype at the product,
+a tile of rows at a time: the float32 copy of a tile stays in cache, so a CPU backend computing
+in float32 reads two bytes per weight from memory instead of writing and re-reading a float32
+copy of the whole matrix (on this path a decode step runs faster than with float32 weights).
+Where the dtypes already agree (float16 compute on a GPU, dequantized int4) it is one product.
+
+Every placement hands the steps the same dtypes, so every placement runs the same products.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+TILE_ELEMENTS = 1 << 20  # weights per cast tile (4 MiB in float32): a core's cache, not memory
+
+
+def tile_rows(rows: int, cols: int) -> int:
+  """Rows per tile of a [rows, cols] weight: a divisor of `rows` near TILE_ELEMENTS // cols
+  where one is close, else that many (the rows left over form one more, shorter product)."""
+  cap = max(1, min(rows, TILE_ELEMENTS // cols))
+  best = max(d for d in range(1, cap + 1) if rows % d == 0)
+  return best if 2 * best >= cap else cap
+
+
+def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+  """x [..., i] @ w [i, o] in `dtype`, w cast a tile of its rows at a time (products summed
+  over the tiles of the contracted axis)."""
+  x = x.astype(dtype)
+  if w.dtype == dtype:
+    return jnp.einsum('...i,io->...o', x, w)
+  rows, cols = w.shape
+  lead = x.shape[:-1]
+  flat = x.reshape(math.prod(lead), rows)
+  r = tile_rows(rows, cols)
+  tiles = rows // r
+  main = tiles * r
+  xt = flat[:, :main].reshape(-1, tiles, r).transpose(1, 0, 2)  # [tiles, m, r]
+  wt = w[:main].reshape(tiles, r, cols)
+
+  def add_tile(total, pair):
+    x_tile, w_tile = pair
+    return total + x_tile @ w_tile.astype(dtype), None
+
+  total, _ = jax.lax.scan(add_tile, jnp.zeros((flat.shape[0], cols), dtype), (xt, wt))
+  if main < rows:
+    total = total + flat[:, main:] @ w[main:].astype(dtype)
+  return total.reshape(*lead, cols)
+
+
+def dense_transposed(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+  """x [..., i] against w [o, i] (a tied embedding as the LM head): [..., o] in `dtype`, w cast
+  a tile of its rows (outputs) at a time."""
+  x = x.astype(dtype)
+  if w.dtype == dtype:
+    return jnp.einsum('...i,oi->...o', x, w)
+  outs, cols = w.shape
+  lead = x.shape[:-1]
+  flat = x.reshape(math.prod(lead), cols)
+  r = tile_rows(outs, cols)
+  tiles = outs // r
+  main = tiles * r
+  parts = jax.lax.map(lambda w_tile: flat @ w_tile.astype(dtype).T,
+                      w[:main].reshape(tiles, r, cols))  # [tiles, m, r]
+  y = parts.transpose(1, 0, 2).reshape(flat.shape[0], main)
+  if main < outs:
+    y = jnp.concatenate([y, flat @ w[main:].astype(dtype).T], axis=1)
+  return y.reshape(*lead, outs)
