@@ -196,7 +196,7 @@ class Engine:
 
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
-               policy: Policy | None = None, warmup: bool = False,
+               policy: Policy | None = None,
                return_logits: bool = False,
                forced_tokens: np.ndarray | None = None) -> GenerationResult:
     """Generates `gen.gen_len` tokens for each prompt (token ids, BOS included).
@@ -208,10 +208,6 @@ class Engine:
       policy: batch geometry, cache/hidden placement, overlap and CPU attention for this call
         (default: the engine's); its weight percentages must equal the engine's, which placed
         the weights at construction.
-      warmup: accepted for callers that ask for a warm-up; there is always one, and it runs
-        nothing: every function the run calls is compiled at its real shapes first
-        (plan.Planner.compile_run: mostly the plan's own compiles), and jax's jit reuses those
-        executables.
       forced_tokens: [num_prompts, gen_len] ids to emit instead of sampling (teacher forcing:
         the logits then score a given continuation through the decode path, KV cache
         compression and sparse attention included).
@@ -238,7 +234,8 @@ class Engine:
     if forced_tokens is not None:
       forced_tokens = np.concatenate([forced_tokens, np.full(
           (padded_n - n, gen.gen_len), self.config.pad_token_id, np.int32)])
-    del warmup  # the run's warm-up is compiling, always (the plan compiled most of it)
+    # The warm-up: every function the run calls is compiled at its real shapes (mostly the
+    # plan's own compiles); jax's jit reuses those executables, and no step runs before timing.
     self.planner.compile_run(policy, prompt_len=prompt_len, gen_len=gen.gen_len,
                              temperature=gen.temperature, top_p=gen.top_p)
     self.stats = _new_stats(self.config)

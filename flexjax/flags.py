@@ -40,8 +40,6 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer('seed', 0, 'Sampling seed.', **f)
   flags.DEFINE_bool('stop_at_eos', True, 'Stop a sequence at EOS (pads the rest).', **f)
   flags.DEFINE_string('output', None, 'Write generations here as JSON lines.', **f)
-  flags.DEFINE_bool('warmup', True, 'Compile every step at its real shapes before timing (the '
-                    'plan always does: kept for scripts that pass it).', **f)
   define_policy_flags(fv)
 
 
@@ -134,7 +132,7 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds,
       max_block_size=fv.max_block_size, dry_run=fv.dry_run,
       budgets=budgets, offload_dir=fv.offload_dir, drop_page_cache=fv.drop_page_cache,
-      weights_cache=fv.weights_cache, io_threads=fv.io_threads, output=fv.output, warmup=fv.warmup)
+      weights_cache=fv.weights_cache, io_threads=fv.io_threads, output=fv.output)
 
 
 def quiet_library_logs(fv: flags.FlagValues = flags.FLAGS) -> None:

@@ -53,7 +53,6 @@ class RunConfig:
   weights_cache: str | None = None  # streaming layouts of dummy / read-only weights
   io_threads: int = 3  # threads reading weights from disk
   output: str | None = None
-  warmup: bool = True
 
 
 def load_weights(rc: RunConfig) -> tuple[WeightSource, Tokenizer | None]:
@@ -253,7 +252,7 @@ def run(rc: RunConfig) -> dict[str, Any]:
               offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
               weights_cache=rc.weights_cache, io_threads=rc.io_threads,
               progress=sys.stderr.isatty()) as engine:
-    result = engine.generate(prompts, rc.generation, warmup=rc.warmup)
+    result = engine.generate(prompts, rc.generation)
   measured = watch.peaks()
   if rc.output:
     write_outputs(rc.output, prompts, texts, result, tokenizer)

@@ -66,7 +66,7 @@ def run_cli(*args, cwd=None):
 def test_main_runs_the_default_flagfile_and_writes_outputs(tmp_path):
   out = tmp_path / 'gen.jsonl'
   proc = run_cli(f'--flagfile={REPO / "configs/opt125m.flags"}', '--prompt_len=8', '--gen_len=3',
-                 '--gpu_batch_size=2', '--num_prompts=3', f'--output={out}', '--nowarmup')
+                 '--gpu_batch_size=2', '--num_prompts=3', f'--output={out}')
   assert proc.returncode == 0, proc.stderr
   report = json.loads(proc.stdout.strip().splitlines()[-1])
   assert report['model'] == 'opt-125m' and report['generated_tokens'] == 9
@@ -131,7 +131,7 @@ def test_auto_policy_runs_and_hand_policies_get_a_prediction(tmp_path):
   profile = REPO / 'configs' / 'hw' / 'paper-t4.json'
   auto = run_cli('--model=opt-125m', '--policy=auto', f'--hw_profile={profile}', '--gpu_mem=0.5',
                  '--cpu_mem=2', '--disk_mem=4', f'--offload_dir={tmp_path}', '--prompt_len=8',
-                 '--gen_len=3', '--nowarmup')
+                 '--gen_len=3')
   assert auto.returncode == 0, auto.stderr
   report = json.loads(auto.stdout.strip().splitlines()[-1])
   assert report['planned_device_peak_bytes'] <= 0.5 * 2**30 and report['generated_tokens'] > 0

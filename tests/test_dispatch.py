@@ -127,18 +127,7 @@ def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
                                top_p=gen.top_p)  # what generate() does first
     monitoring.register_event_duration_secs_listener(listener)
     try:
-      engine.generate(prompts, gen, warmup=True)
+      engine.generate(prompts, gen)
     finally:
       monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
-
-
-def test_warmup_runs_no_step():
-  engine = Engine(DummyWeights(tiny_config(2), 'float32'), policy=Policy(gpu_batch_size=4))
-  prompts = [[2, 10, 11], [2, 12]]
-  gen = GenerationConfig(gen_len=3, stop_at_eos=False)
-  engine.generate(prompts, gen)
-  plain = count_executions(lambda: engine.generate(prompts, gen, warmup=False))
-  assert count_executions(lambda: engine.generate(prompts, gen, warmup=True)) == plain
-  assert engine.generate(prompts, gen, warmup=True).weight_loads == engine.generate(
-      prompts, gen, warmup=False).weight_loads

@@ -64,7 +64,7 @@ def test_sampling_is_seeded_and_varies(pre_ln):
 
 def test_throughput_follows_the_paper_definition(pre_ln):
   result = pre_ln.engine(policy=Policy(gpu_batch_size=2)).generate(
-      PROMPTS, GenerationConfig(gen_len=5, stop_at_eos=False), warmup=True)
+      PROMPTS, GenerationConfig(gen_len=5, stop_at_eos=False))
   assert result.generated_tokens == len(PROMPTS) * 5
   assert result.prefill_s > 0 and result.decode_s > 0
   assert result.total_throughput == pytest.approx(20 / (result.prefill_s + result.decode_s))

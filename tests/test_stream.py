@@ -157,3 +157,19 @@ def test_a_full_disk_is_a_one_line_error_before_any_work(tmp_path, what):
 def test_io_threads_are_validated():
   with pytest.raises(FlexjaxError, match='io_threads=0 must be between 1 and 16'):
     diskio.Reader(threads=0)
+
+
+def test_float16_weights_from_disk_give_the_all_device_logits(tmp_path):
+  """float16 weights computed in float32: read from disk into reused staging buffers (which a
+  CPU backend computes on in place), cast tile by tile at the products: every token's logits
+  equal those of the same weights resident on the device, over more stages than buffers."""
+  gen = GenerationConfig(gen_len=6)
+  source = DummyWeights(TINY, 'float16', seed=5)
+  runs = {}
+  for name, policy in (('device', Policy(gpu_batch_size=2)), ('disk', ON_DISK)):
+    with Engine(source, policy=policy, weights_cache=str(tmp_path / 'cache'),
+                offload_dir=str(tmp_path / name), compute_dtype='float32') as engine:
+      runs[name] = engine.generate(PROMPTS, gen, return_logits=True)
+  assert runs['disk'].bytes_moved['weights_disk'] > 0
+  np.testing.assert_array_equal(runs['disk'].tokens, runs['device'].tokens)
+  np.testing.assert_array_equal(runs['disk'].logits, runs['device'].logits)

@@ -73,10 +73,10 @@ def run_flexjax(engine, *, batch_size: int, prompt_len: int, gen_len: int,
   gen = GenerationConfig(gen_len=gen_len, stop_at_eos=False)
   policy = Policy(gpu_batch_size=batch_size)
   timings = []
-  for i in range(repeats):
+  for _ in range(repeats):
     reset_peak_rss()
     watch = MemoryWatch.start(engine.device)
-    result = engine.generate(prompts, gen, policy=policy, warmup=(i == 0))
+    result = engine.generate(prompts, gen, policy=policy)
     peaks = watch.peaks()
     memory = {'device_peak_bytes': peaks['device']} if 'device' in peaks else {}
     memory['host_peak_rss_bytes'] = host_peak_rss()

@@ -142,7 +142,7 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
     if projected_gen_len is not None:
       _check_projection_fits(engine, policy, budgets, prompt_len=prompt_len, gen_len=gen_len)
     reset_peak_rss()
-    result = engine.generate(prompts, gen, warmup=True)
+    result = engine.generate(prompts, gen)
     rss = host_peak_rss()
     device = f'{engine.device.platform}:{engine.device.device_kind}'
     predicted = _prediction(cfg, policy, profile, engine.sizes, prompt_len, gen_len)

@@ -20,8 +20,8 @@ from typing import Any
 
 from absl import app, flags
 
-# name -> flags of `python -m flexjax.main` (dummy weights; --nowarmup: the plan compiles).
-COMMON = ('--weights=dummy', '--nowarmup')
+# name -> flags of `python -m flexjax.main` (dummy weights).
+COMMON = ('--weights=dummy',)
 SMALL = ('--model=opt-125m', '--prompt_len=128', '--gen_len=8', '--gpu_batch_size=8')
 CASES: dict[str, tuple[str, ...]] = {
     'all_device': SMALL,

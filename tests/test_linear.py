@@ -1,0 +1,57 @@
+"""Products against weights in their stored dtype, cast a tile at a time."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flexjax.model import linear
+
+
+@pytest.mark.parametrize('rows,cols', [(64, 32), (96, 1 << 15), (97, 1 << 15), (5, 7)])
+def test_tile_rows_divides_or_leaves_one_short_tile(rows, cols):
+  r = linear.tile_rows(rows, cols)
+  assert 1 <= r <= rows
+  assert r * cols <= max(linear.TILE_ELEMENTS, cols)
+  assert rows % r == 0 or r == max(1, min(rows, linear.TILE_ELEMENTS // cols))
+
+
+@pytest.mark.parametrize('rows,cols,lead', [(512, 4096, (3, 1)), (97, 1 << 15, (2, 5)),
+                                            (4096, 1024, (4,))])
+def test_tiled_products_match_one_cast_product(rows, cols, lead):
+  """float16 weights, float32 compute: the tiled products equal casting the whole matrix
+  first, up to float32 summation order (the tiles sum in another order)."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((*lead, rows)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((rows, cols)) / np.sqrt(rows), jnp.float16)
+  want = jnp.einsum('...i,io->...o', x, w.astype(jnp.float32))
+  got = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32))(x, w)
+  assert got.shape == (*lead, cols) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))
+  assert linear.tile_rows(rows, cols) < rows  # the tiled path ran
+
+  xt = jnp.asarray(rng.standard_normal((*lead, cols)), jnp.float32)
+  want_t = jnp.einsum('...i,oi->...o', xt, w.astype(jnp.float32))
+  got_t = jax.jit(lambda x, w: linear.dense_transposed(x, w, jnp.float32))(xt, w)
+  assert got_t.shape == (*lead, rows)
+  np.testing.assert_allclose(got_t, want_t, rtol=1e-4,
+                             atol=1e-5 * float(jnp.abs(want_t).max()))
+
+
+def test_same_dtype_is_one_product():
+  x = jnp.ones((2, 8), jnp.float32)
+  w = jnp.arange(32, dtype=jnp.float32).reshape(8, 4)
+  np.testing.assert_array_equal(linear.dense(x, w, jnp.float32), x @ w)
+  text = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32)).lower(x, w).as_text()
+  assert 'while' not in text
+
+
+def test_decode_temporaries_are_tiles_not_a_float32_matrix():
+  """XLA's temporaries of a one-token product against a float16 matrix stay near one float32
+  tile, far below the float32 copy of the matrix a whole cast would make."""
+  rows, cols = 2048, 8192
+  x = jax.ShapeDtypeStruct((4, 1, rows), jnp.float32)
+  w = jax.ShapeDtypeStruct((rows, cols), jnp.float16)
+  compiled = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32)).lower(x, w).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < rows * cols * 4 // 4, temp
