@@ -94,7 +94,6 @@ class StagingBuffers:
     self._free: list[np.ndarray] = []
     self._waiting: collections.deque = collections.deque()  # (buffer, arrays to be ready)
     self._lock = threading.Lock()
-    self.allocated = 0
 
   def take(self) -> np.ndarray:
     with self._lock:
@@ -102,7 +101,6 @@ class StagingBuffers:
         self._free.append(self._waiting.popleft()[0])
       if self._free:
         return self._free.pop()
-      self.allocated += 1
     return diskio.aligned_buffer(self.nbytes)
 
   def give_back(self, buffer: np.ndarray, after=()) -> None:
@@ -184,8 +182,8 @@ class Mover:
 
   def _start_reads(self, index: int) -> '_StageRead | None':
     """The stage's disk-tier tensors read into one aligned staging buffer by the I/O threads."""
-    tensors = [(slot, value.data if isinstance(value, quant_lib.Packed) else value)
-               for slot, value in self.stages[index] if slot.tier == 'disk']
+    tensors = [(slot, value_bytes(value)) for slot, value in self.stages[index]
+               if slot.tier == 'disk']
     if not tensors:
       return None
     nbytes = sum(t.padded for _, t in tensors)

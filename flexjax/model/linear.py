@@ -27,6 +27,15 @@ def tile_rows(rows: int, cols: int) -> int:
   return best if 2 * best >= cap else cap
 
 
+def _tiling(x: jax.Array, w: jax.Array):
+  """x's leading shape, x as [m, last], and w's row tiles: rows per tile, whole tiles, rows
+  they cover (the rest form one shorter product)."""
+  lead = x.shape[:-1]
+  r = tile_rows(*w.shape)
+  tiles = w.shape[0] // r
+  return lead, x.reshape(math.prod(lead), x.shape[-1]), r, tiles, tiles * r
+
+
 def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   """x [..., i] @ w [i, o] in `dtype`, w cast a tile of its rows at a time (products summed
   over the tiles of the contracted axis)."""
@@ -34,11 +43,7 @@ def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   if w.dtype == dtype:
     return jnp.einsum('...i,io->...o', x, w)
   rows, cols = w.shape
-  lead = x.shape[:-1]
-  flat = x.reshape(math.prod(lead), rows)
-  r = tile_rows(rows, cols)
-  tiles = rows // r
-  main = tiles * r
+  lead, flat, r, tiles, main = _tiling(x, w)
   xt = flat[:, :main].reshape(-1, tiles, r).transpose(1, 0, 2)  # [tiles, m, r]
   wt = w[:main].reshape(tiles, r, cols)
 
@@ -59,11 +64,7 @@ def dense_transposed(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   if w.dtype == dtype:
     return jnp.einsum('...i,oi->...o', x, w)
   outs, cols = w.shape
-  lead = x.shape[:-1]
-  flat = x.reshape(math.prod(lead), cols)
-  r = tile_rows(outs, cols)
-  tiles = outs // r
-  main = tiles * r
+  lead, flat, r, tiles, main = _tiling(x, w)
   parts = jax.lax.map(lambda w_tile: flat @ w_tile.astype(dtype).T,
                       w[:main].reshape(tiles, r, cols))  # [tiles, m, r]
   y = parts.transpose(1, 0, 2).reshape(flat.shape[0], main)
