@@ -43,6 +43,8 @@ class GenerationConfig:
       raise FlexjaxError(f'temperature={self.temperature} must be >= 0 (0 means greedy)')
     if not 0 < self.top_p <= 1:
       raise FlexjaxError(f'top_p={self.top_p} must be in (0, 1]')
+    if self.seed < 0:
+      raise FlexjaxError(f'seed={self.seed} must be >= 0')
 
 
 @dataclasses.dataclass
@@ -198,11 +200,14 @@ class Engine:
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
                policy: Policy | None = None,
                return_logits: bool = False,
-               forced_tokens: np.ndarray | None = None) -> GenerationResult:
+               forced_tokens: np.ndarray | None = None,
+               seeds: Sequence[int] | None = None,
+               limits: Sequence[int] | None = None,
+               pad_to: int | None = None) -> GenerationResult:
     """Generates `gen.gen_len` tokens for each prompt (token ids, BOS included).
 
-    Prompts are left-padded to the longest one and processed a block (policy.block_size
-    prompts) at a time with the zig-zag block schedule.
+    Prompts are left-padded to the longest one (or to pad_to) and processed a block
+    (policy.block_size prompts) at a time with the zig-zag block schedule.
 
     Args:
       policy: batch geometry, cache/hidden placement, overlap and CPU attention for this call
@@ -211,13 +216,32 @@ class Engine:
       forced_tokens: [num_prompts, gen_len] ids to emit instead of sampling (teacher forcing:
         the logits then score a given continuation through the decode path, KV cache
         compression and sparse attention included).
+      seeds: each prompt's sampling seed (default: derived from gen.seed and its index). A row's
+        samples depend on its seed alone, not on the rows batched with it.
+      limits: each prompt's new-token limit, at most gen.gen_len (default: gen.gen_len); a row
+        that reaches it is finished, and a block stops once all its rows are.
+      pad_to: the padded prompt length (default: the longest prompt); a few distinct lengths
+        let jobs of many prompt lengths reuse compiled steps.
     """
     policy = self._call_policy(policy)
     if not prompts:
       raise FlexjaxError('no prompts given; pass at least one prompt')
-    prompt_len = max(len(p) for p in prompts)
-    if prompt_len == 0:
+    longest = max(len(p) for p in prompts)
+    if longest == 0:
       raise FlexjaxError('all prompts are empty; each prompt needs at least one token')
+    if pad_to is not None and pad_to < longest:
+      raise FlexjaxError(f'pad_to={pad_to} is shorter than the longest prompt ({longest} '
+                         'tokens); leave it out or raise it')
+    prompt_len = pad_to or longest
+    seeds = np.asarray(default_seeds(gen.seed, len(prompts)) if seeds is None else seeds,
+                       np.uint32)
+    limits = np.asarray([gen.gen_len] * len(prompts) if limits is None else limits, np.int64)
+    if seeds.shape != (len(prompts),) or limits.shape != (len(prompts),):
+      raise FlexjaxError(f'seeds and limits need one value per prompt ({len(prompts)}); got '
+                         f'{seeds.shape[0]} and {limits.shape[0]}')
+    if limits.size and not 0 < limits.min() <= limits.max() <= gen.gen_len:
+      raise FlexjaxError(f'limits must lie in [1, gen_len={gen.gen_len}]; got '
+                         f'[{limits.min()}, {limits.max()}]')
     self._check_length(prompt_len + gen.gen_len - 1)
     if forced_tokens is not None:
       forced_tokens = np.asarray(forced_tokens, np.int32)
@@ -231,6 +255,8 @@ class Engine:
     padded_n = -(-n // block) * block
     tokens, mask = pad_prompts(list(prompts) + [[]] * (padded_n - n), prompt_len,
                                self.config.pad_token_id)
+    seeds = np.concatenate([seeds, np.zeros(padded_n - n, np.uint32)])
+    limits = np.concatenate([limits, np.full(padded_n - n, gen.gen_len)])
     if forced_tokens is not None:
       forced_tokens = np.concatenate([forced_tokens, np.full(
           (padded_n - n, gen.gen_len), self.config.pad_token_id, np.int32)])
@@ -245,7 +271,8 @@ class Engine:
     outs, logits, prefill_s, decode_s, generated = [], [], 0.0, 0.0, 0
     for start in range(0, padded_n, block):
       rows = slice(start, start + block)
-      res = self._run_block(policy, tokens[rows], mask[rows], n - start, gen, start // block,
+      res = self._run_block(policy, tokens[rows], mask[rows], n - start, gen,
+                            seeds=seeds[rows], limits=limits[rows],
                             max_steps=gen.gen_len, return_logits=return_logits,
                             read_ahead=plan.shape.read_ahead,
                             forced=None if forced_tokens is None else forced_tokens[rows],
@@ -278,8 +305,8 @@ class Engine:
                            'engine')
     return policy
 
-  def _run_block(self, policy: Policy, tokens, mask, real_rows, gen, block_index, *, max_steps,
-                 return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
+  def _run_block(self, policy: Policy, tokens, mask, real_rows, gen, *, seeds, limits,
+                 max_steps, return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
     """Runs one block through the schedule. Returns its tokens, logits, timings."""
     mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
                   read_ahead=read_ahead, clock=clock, stats=self.stats,
@@ -288,11 +315,11 @@ class Engine:
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
     batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
                           mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
-                          return_logits=return_logits, forced=forced)
-    key = (gen.seed, block_index)  # the head step derives the sampling key from these
+                          return_logits=return_logits, forced=forced, seeds=seeds,
+                          limits=limits)
     mover.start()
     try:
-      prefill_s, decode_s = executor.execute(batches, gen, key, max_steps)
+      prefill_s, decode_s = executor.execute(batches, gen, max_steps)
     finally:
       mover.stop()
       for batch in batches:
@@ -341,6 +368,12 @@ class Engine:
       raise FlexjaxError(
           f'prompt plus generated tokens need {total} positions but {self.config.name} has '
           f'{self.config.max_positions}; shorten the prompts or --gen_len')
+
+
+def default_seeds(seed: int, n: int) -> np.ndarray:
+  """Sampling seeds of n prompts derived from one seed: [n] uint32, the i-th the same for any n."""
+  return np.array([np.random.SeedSequence([seed, i]).generate_state(1)[0] for i in range(n)],
+                  np.uint32)
 
 
 def _capacities(plan: plan_lib.ExecutionPlan) -> dict[str, int]:

@@ -33,6 +33,8 @@ class Batch:
   logits: np.ndarray | None
   hidden: SplitArray
   caches: list[tuple[SplitArray, SplitArray]]
+  seeds: np.ndarray | None = None  # [b] uint32: each row's sampling seed
+  limits: np.ndarray | None = None  # [b]: new tokens each row may have (at most gen_len)
   forced: np.ndarray | None = None  # [b, gen_len] tokens to emit instead of samples
   steps: int = 0
   geometry: Geometry | None = None
@@ -49,8 +51,10 @@ class Batch:
 
 
 def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps, *, tokens,
-                mask, real_rows: int, gen_len: int, return_logits: bool, forced) -> list[Batch]:
-  """The GPU batches of a block with their caches and hidden states allocated on their tiers."""
+                mask, real_rows: int, gen_len: int, return_logits: bool, forced, seeds,
+                limits) -> list[Batch]:
+  """The GPU batches of a block with their caches and hidden states allocated on their tiers.
+  seeds, limits: [block] per-row sampling seeds and new-token limits."""
   b, s = policy.gpu_batch_size, tokens.shape[1]
   t = s + gen_len - 1
   entry, dtype = steps.cache_entry()
@@ -68,7 +72,8 @@ def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps
                   else None),
           hidden=SplitArray(storage, (b, s, cfg.hidden_size), steps.compute,
                             policy.rows('act'), preallocate_device=False, kind='hidden'),
-          caches=[], forced=None if forced is None else forced[rows],
+          caches=[], seeds=seeds[rows], limits=limits[rows],
+          forced=None if forced is None else forced[rows],
           geometry=Geometry.of(policy, prompt_len=s, gen_len=gen_len))
       batch.prompt_mask = jax.device_put(np.array(batch.mask), steps.device)
       batch.step_inputs = steps.step_inputs(batch.geometry, cache_mask, slot=s)
@@ -111,7 +116,7 @@ class Executor:
     self.device, self.cpu = device, cpu
     self.num_stages = cfg.num_layers + 2
 
-  def execute(self, batches: list[Batch], gen, key, max_steps: int) -> tuple[float, float]:
+  def execute(self, batches: list[Batch], gen, max_steps: int) -> tuple[float, float]:
     """Runs a block's steps. Returns (prefill seconds, decode seconds)."""
     mover, clock, overlap = self.mover, self.mover.clock, self.policy.overlap
     steps = list(block_schedule(max_steps, self.num_stages, len(batches)))
@@ -148,7 +153,7 @@ class Executor:
         while len(in_flight) >= (2 if overlap else 1):
           jax.block_until_ready(in_flight.popleft())
         with clock.part('compute'):
-          output, released = self._compute(step, batch, current.params, loaded, gen, key)
+          output, released = self._compute(step, batch, current.params, loaded, gen)
           in_flight.append(output)
           stage_outputs.append(output)
           if released is not None:
@@ -167,7 +172,7 @@ class Executor:
           self._end_token(step.token, batches)
           if step.token == 0:
             prefill_s = time.perf_counter() - start
-          if gen.stop_at_eos and all(b.finished[:b.real_rows].all() for b in batches):
+          if all(b.finished[:b.real_rows].all() for b in batches):
             break
     finally:
       for future in releases:
@@ -182,14 +187,15 @@ class Executor:
     return prefill_s, time.perf_counter() - start - prefill_s
 
   # ---- per-step work ----------------------------------------------------------------------------
-  def _compute(self, step: Step, batch: Batch, params, inputs: dict, gen, key):
+  def _compute(self, step: Step, batch: Batch, params, inputs: dict, gen):
     """Dispatches one step. Returns (its output, a future of the release of its loaded inputs
-    or None). `key` is (seed, block index): the sampling key is derived inside the head step."""
+    or None). Each row's sampling key is derived inside the head step from its seed and the
+    token index."""
     stage, token, steps, mover = step.stage, step.token, self.steps, self.mover
     s = batch.tokens.shape[1]
     if stage == self.num_stages - 1:
-      logits, sample = steps.head_step(params, inputs['hidden'],
-                                       self._put(np.array([*key, token], np.uint32)),
+      counters = np.stack([batch.seeds, np.full_like(batch.seeds, token)], axis=1)
+      logits, sample = steps.head_step(params, inputs['hidden'], self._put(counters),
                                        temperature=gen.temperature, top_p=gen.top_p)
       chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
       batch.out[:, token] = np.where(batch.finished, self.cfg.pad_token_id, chosen)
@@ -198,6 +204,7 @@ class Executor:
       batch.steps = token + 1
       if gen.stop_at_eos:
         batch.finished |= batch.out[:, token] == self.cfg.eos_token_id
+      batch.finished |= batch.limits <= token + 1
       mover.release(inputs)
       return logits, None
     mover.begin_step_stores()

@@ -39,7 +39,16 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass.', **f)
   flags.DEFINE_integer('seed', 0, 'Sampling seed.', **f)
   flags.DEFINE_bool('stop_at_eos', True, 'Stop a sequence at EOS (pads the rest).', **f)
-  flags.DEFINE_string('output', None, 'Write generations here as JSON lines.', **f)
+  flags.DEFINE_string('output', None, 'Write generations here as JSON lines (with --input: '
+                      'streamed block by block, resumable).', **f)
+  flags.DEFINE_string('input', None, 'A batch job: JSONL rows {"id", "prompt" or "tokens", and '
+                      'optionally "max_new_tokens", "stop", "temperature", "top_p", "seed"}; '
+                      'needs --output. Run again with the same command after an interruption '
+                      'to resume.', **f)
+  flags.DEFINE_bool('bucket', True, 'Batch a job\'s rows by length so blocks pad little (else '
+                    'every block pads to the longest prompt and output).', **f)
+  flags.DEFINE_bool('progress', True, 'Progress bars on a terminal (--noprogress: none).', **f)
+  flags.DEFINE_string('report_json', None, 'Also write the report as JSON to this file.', **f)
   define_policy_flags(fv)
 
 
@@ -114,6 +123,11 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
     value = fv[name].value
     if value is not None and value <= 0:
       raise FlexjaxError(f'--{name}={value} must be a positive integer')
+  if fv.input and fv.prompt_file:
+    raise FlexjaxError(f'--input={fv.input!r} and --prompt_file={fv.prompt_file!r} are both '
+                       'given; a job reads its prompts from --input alone: drop --prompt_file')
+  if fv.input and not fv.output:
+    raise FlexjaxError(f'--input={fv.input!r} needs --output=FILE.jsonl for the generations')
   if fv.weights == 'checkpoint' and not fv.checkpoint:
     raise FlexjaxError('--weights=checkpoint needs --checkpoint=PATH (a converted checkpoint)')
   if fv.weights == 'dummy' and fv.checkpoint:
@@ -132,7 +146,8 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds,
       max_block_size=fv.max_block_size, dry_run=fv.dry_run,
       budgets=budgets, offload_dir=fv.offload_dir, drop_page_cache=fv.drop_page_cache,
-      weights_cache=fv.weights_cache, io_threads=fv.io_threads, output=fv.output)
+      weights_cache=fv.weights_cache, io_threads=fv.io_threads, output=fv.output,
+      input=fv.input, bucket=fv.bucket, progress=fv.progress)
 
 
 def quiet_library_logs(fv: flags.FlagValues = flags.FLAGS) -> None:

@@ -177,10 +177,15 @@ def best_seconds(fn, repeats: int = 3) -> float:
 
 
 def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
-            hidden: int = 2048, quick: bool = False) -> HardwareProfile:
+            hidden: int = 2048, quick: bool = False, progress: bool = False) -> HardwareProfile:
   """Measures this machine: transfers, disk (page cache dropped), matmul and attention rates."""
   import jax
   import jax.numpy as jnp
+
+  from flexjax import progress as progress_lib
+
+  sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048)
+  bar = progress_lib.bar(3 + len(sizes) + 4 + 1, 'measuring', unit='test', show=progress)
 
   device = device or jax.devices()[0]
   cpu = jax.devices('cpu')[0]
@@ -189,31 +194,38 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
 
   nbytes = host.nbytes
   ctog = nbytes / best_seconds(lambda: jax.device_put(np.array(host), device).block_until_ready())
+  bar.update(1)
   on_device = jax.device_put(host, device)
   gtoc = nbytes / best_seconds(lambda: np.array(on_device))
+  bar.update(1)
   dtoc, ctod = _disk_rates(host, scratch_dir)
+  bar.update(1)
 
   def matmul_rate(rows, backend):
     a = jax.device_put(np.ones((rows, hidden), np.float32), backend)
     b = jax.device_put(np.ones((hidden, 4 * hidden), np.float32), backend)
     f = jax.jit(jnp.matmul)
     f(a, b).block_until_ready()
-    return 2 * rows * hidden * 4 * hidden / best_seconds(lambda: f(a, b).block_until_ready())
+    rate = 2 * rows * hidden * 4 * hidden / best_seconds(lambda: f(a, b).block_until_ready())
+    bar.update(1)
+    return rate
 
   def attention_rate(rows, backend):  # rows sequences attend over 512 positions, 64-wide heads
     q = jax.device_put(np.ones((rows, hidden // 64, 1, 64), np.float32), backend)
     k = jax.device_put(np.ones((rows, hidden // 64, 512, 64), np.float32), backend)
     f = jax.jit(lambda q, k: jnp.einsum('bnqd,bntd->bnqt', q, k))
     f(q, k).block_until_ready()
-    return 2 * rows * hidden * 512 / best_seconds(lambda: f(q, k).block_until_ready())
+    rate = 2 * rows * hidden * 512 / best_seconds(lambda: f(q, k).block_until_ready())
+    bar.update(1)
+    return rate
 
-  sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048)
-  mm = {m: matmul_rate(m, device) for m in sizes}
-  bmm = {m: attention_rate(m, device) for m in sizes[:4]}
+  with bar:
+    mm = {m: matmul_rate(m, device) for m in sizes}
+    bmm = {m: attention_rate(m, device) for m in sizes[:4]}
+    cpu_flops = attention_rate(32, cpu)
   return HardwareProfile(name=f'{device.platform}:{device.device_kind}', ctog_bw=ctog,
                          gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod, mm_flops=mm, bmm_flops=bmm,
-                         cpu_flops=attention_rate(32, cpu),
-                         copies_share_compute=device.platform == 'cpu')
+                         cpu_flops=cpu_flops, copies_share_compute=device.platform == 'cpu')
 
 
 def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from flexjax import progress as progress_lib
 from flexjax.config import ModelConfig, np_dtype
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
@@ -181,7 +182,7 @@ def _torch_to_numpy(t) -> np.ndarray:
 
 
 def convert(hf_dir: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 'source',
-            overwrite: bool = False, progress: bool = True) -> Path:
+            overwrite: bool = False, progress: bool = False) -> Path:
   """Converts an HF OPT directory into a flexjax checkpoint, one stage in memory at a time.
 
   Args:
@@ -196,9 +197,11 @@ def convert(hf_dir: str | os.PathLike, output: str | os.PathLike, *, dtype: str 
   target = np_dtype(dtype)
   names = params_lib.stage_names(hf.config)
   with CheckpointWriter(output, hf.config, dtype, overwrite=overwrite) as writer:
-    bar = _progress(names, progress, desc=f'converting {hf.config.name}')
-    for stage in bar:
-      writer.write_stage(stage, hf.read_stage(stage, target))
+    with progress_lib.bar(len(names), f'converting {hf.config.name}', unit='stage',
+                          show=progress) as bar:
+      for stage in names:
+        writer.write_stage(stage, hf.read_stage(stage, target))
+        bar.update(1)
     files = hf.tokenizer_files()
     if files:
       writer.tokenizer_dir.mkdir()
@@ -206,9 +209,3 @@ def convert(hf_dir: str | os.PathLike, output: str | os.PathLike, *, dtype: str 
         (writer.tokenizer_dir / path.name).write_bytes(path.read_bytes())
   return writer.path
 
-
-def _progress(items, enabled: bool, desc: str):
-  if not enabled:
-    return items
-  from tqdm import tqdm
-  return tqdm(items, desc=desc, unit='stage')

@@ -10,6 +10,7 @@ from absl import app
 from flexjax import flags as flags_lib
 from flexjax import hardware
 from flexjax.errors import FlexjaxError
+from flexjax.job import check_output, write_atomically
 
 
 def main(argv) -> int:
@@ -17,20 +18,42 @@ def main(argv) -> int:
     print(f'flexjax: error: unexpected arguments {argv[1:]}; every option is a --flag',
           file=sys.stderr)
     return 2
+  from absl import flags
+  report_json = flags.FLAGS.report_json
   flags_lib.quiet_library_logs()
   logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no backend probing chatter
   hardware.include_cpu_platform()  # JAX_PLATFORMS=cuda would leave out the CPU backend
   from flexjax.run import run
   try:
     rc = flags_lib.run_config_from_flags()
+    if report_json:
+      check_output(report_json, 'report_json')
     result = run(rc)
   except FlexjaxError as e:
     print(f'flexjax: error: {e}', file=sys.stderr)
     return 2
-  for key, value in result.items():
-    print(f'{key:>20}: {value}')
-  print(json.dumps(result))
+  print(table(result))
+  if report_json:
+    write_atomically(report_json, json.dumps(result, indent=1) + '\n')
   return 0
+
+
+def table(report: dict) -> str:
+  """The report as aligned `key: value` lines (a nested dict's keys as `key.inner`)."""
+  flat = {}
+  for key, value in report.items():
+    if isinstance(value, dict):
+      flat.update({f'{key}.{inner}': v for inner, v in value.items()})
+    else:
+      flat[key] = value
+  width = max(map(len, flat), default=0)
+  return '\n'.join(f'{key:>{width}}: {_shown(value)}' for key, value in flat.items())
+
+
+def _shown(value) -> str:
+  if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**20:
+    return f'{value:,} ({value / 2**30:.2f} GiB)' if abs(value) >= 2**27 else f'{value:,}'
+  return str(value)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

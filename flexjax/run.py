@@ -15,6 +15,7 @@ import numpy as np
 
 from flexjax import config as config_lib
 from flexjax import cost_model, hardware, search
+from flexjax import progress as progress_lib
 from flexjax import plan as plan_lib
 from flexjax.memwatch import MemoryWatch
 from flexjax.checkpoint import Checkpoint
@@ -53,6 +54,9 @@ class RunConfig:
   weights_cache: str | None = None  # streaming layouts of dummy / read-only weights
   io_threads: int = 3  # threads reading weights from disk
   output: str | None = None
+  input: str | None = None  # a batch job's JSONL rows (flexjax.job); output is then required
+  bucket: bool = True  # a job's blocks padded to length buckets (else to its longest row)
+  progress: bool = True  # progress bars on a terminal
 
 
 def load_weights(rc: RunConfig) -> tuple[WeightSource, Tokenizer | None]:
@@ -136,7 +140,7 @@ def device_memory_bytes(device) -> int | None:
 
 
 def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
-                    scratch_dir: str | None) -> HardwareProfile | None:
+                    scratch_dir: str | None, progress: bool = True) -> HardwareProfile | None:
   """'paper-t4', a JSON path, or None: this device's cached profile (measured and cached on
   first need when measure_if_missing)."""
   if spec == 'paper-t4':
@@ -149,8 +153,11 @@ def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
     return hardware.HardwareProfile.load(cache)
   if not measure_if_missing:
     return None
-  print(f'measuring this machine for the cost model (cached in {cache}) ...', flush=True)
-  profile = hardware.measure(device, scratch_dir=scratch_dir)
+  print(f'measuring this machine for the cost model, once (about a minute: transfers, disk, '
+        f'matmul and attention rates); the profile is cached in {cache}', file=sys.stderr,
+        flush=True)
+  profile = hardware.measure(device, scratch_dir=scratch_dir,
+                             progress=progress_lib.enabled(progress))
   profile.save(cache)
   return profile
 
@@ -177,9 +184,9 @@ def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
 
 
 def choose_policy(rc: RunConfig, cfg, planner: plan_lib.Planner, budgets, profile,
-                  prompt_len: int):
+                  prompt_len: int, gen_len: int | None = None):
   """The policy to run and its prediction: searched (--policy=auto) or hand-given."""
-  gen_len = rc.generation.gen_len
+  gen_len = gen_len or rc.generation.gen_len
   if rc.policy_mode == 'auto':
     found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
                           sizes=planner.sizes, planner=planner, template=rc.policy,
@@ -192,13 +199,97 @@ def choose_policy(rc: RunConfig, cfg, planner: plan_lib.Planner, budgets, profil
                                        prompt_len=prompt_len, gen_len=gen_len, planner=planner)
 
 
-def run(rc: RunConfig) -> dict[str, Any]:
-  """Runs the job; returns the report (also what main prints)."""
+@dataclasses.dataclass
+class Setup:
+  """What every job starts from: weights, device, budgets, cost-model profile and planner."""
+
+  source: WeightSource
+  tokenizer: Tokenizer | None
+  device: Any
+  compute_dtype: str
+  watch: MemoryWatch
+  budgets: dict[str, int | None]
+  profile: HardwareProfile | None
+  planner: plan_lib.Planner
+
+  @property
+  def cfg(self) -> config_lib.ModelConfig:
+    return self.source.config
+
+
+def check_paths(rc: RunConfig) -> None:
+  """Every path the user gave has the right kind, before any work."""
+  from flexjax import job as job_lib
+  if rc.output:
+    job_lib.check_output(rc.output)
+  for flag, value in (('offload_dir', rc.offload_dir), ('weights_cache', rc.weights_cache)):
+    if value and Path(value).exists() and not Path(value).is_dir():
+      raise FlexjaxError(f'--{flag}={value!r} is a file; give a folder')
+  if rc.checkpoint and Path(rc.checkpoint).is_file():
+    raise FlexjaxError(f'--checkpoint={rc.checkpoint!r} is a file; give the checkpoint folder '
+                       '(tools/convert_hf.py writes one)')
+
+
+def setup(rc: RunConfig) -> Setup:
   import jax
 
   hardware.include_cpu_platform()  # before jax's first backend use (when run is the first)
   source, tokenizer = load_weights(rc)
-  cfg = source.config
+  device = jax.devices()[0]
+  compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
+  watch = MemoryWatch.start(device)  # the idle process, before anything is planned
+  budgets = detected_budgets(rc, device)
+  profile = resolve_profile(rc.hw_profile, device, measure_if_missing=rc.policy_mode == 'auto',
+                            scratch_dir=rc.offload_dir, progress=rc.progress)
+  planner = plan_lib.Planner(
+      source.config, storage_dtype=source.dtype, compute_dtype=compute_dtype,
+      cache_dtype=rc.cache_dtype or compute_dtype, device=device,
+      cpu=hardware.cpu_device(),
+      overhead=hardware.runtime_overhead(device.platform,
+                                         profile if profile and profile.name.startswith(
+                                             device.platform) else None))
+  return Setup(source, tokenizer, device, compute_dtype, watch, budgets, profile, planner)
+
+
+def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_len: int,
+                gen_len: int) -> tuple[plan_lib.ExecutionPlan, dict[str, Any]]:
+  """The execution plan of a policy at the run's largest shapes and the report's head: with
+  --dry_run, whether it fits; otherwise it is refused here, before any weight is read."""
+  plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
+                             temperature=rc.generation.temperature, top_p=rc.generation.top_p)
+  head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
+          'hw_profile': st.profile.name if st.profile else None,
+          **_prediction_fields(prediction),
+          **{f'{tier}_budget_bytes': value for tier, value in st.budgets.items()},
+          **{f'planned_{tier}_peak_bytes': value for tier, value in plan.peaks().items()}}
+  if rc.dry_run:
+    try:
+      plan.check(st.budgets)
+      head['fits'] = True
+    except FlexjaxError as e:
+      head['fits'] = False
+      head['does_not_fit'] = str(e)
+  else:
+    plan.check(st.budgets)
+  return plan, head
+
+
+def engine_for(rc: RunConfig, st: Setup, policy: Policy) -> Engine:
+  return Engine(st.source, policy=policy, compute_dtype=st.compute_dtype,
+                cache_dtype=rc.cache_dtype, device=st.device, budgets=st.budgets,
+                planner=st.planner, offload_dir=rc.offload_dir,
+                drop_page_cache=rc.drop_page_cache, weights_cache=rc.weights_cache,
+                io_threads=rc.io_threads, progress=progress_lib.enabled(rc.progress))
+
+
+def run(rc: RunConfig) -> dict[str, Any]:
+  """Runs the job; returns the report (also what main prints)."""
+  check_paths(rc)
+  if rc.input:
+    from flexjax import job as job_lib
+    return job_lib.run_job(rc)
+  st = setup(rc)
+  cfg, tokenizer = st.cfg, st.tokenizer
   if rc.prompt_file:
     prompts, texts = load_prompts(rc.prompt_file, cfg, tokenizer)
     prompt_len = max(len(p) for p in prompts)
@@ -212,48 +303,18 @@ def run(rc: RunConfig) -> dict[str, Any]:
     raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
-  device = jax.devices()[0]
-  compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
-  watch = MemoryWatch.start(device)  # the idle process, before anything is planned
-  budgets = detected_budgets(rc, device)
-  profile = resolve_profile(rc.hw_profile, device, measure_if_missing=rc.policy_mode == 'auto',
-                            scratch_dir=rc.offload_dir)
-  planner = plan_lib.Planner(
-      cfg, storage_dtype=source.dtype, compute_dtype=compute_dtype,
-      cache_dtype=rc.cache_dtype or compute_dtype, device=device,
-      cpu=hardware.cpu_device(),
-      overhead=hardware.runtime_overhead(device.platform,
-                                         profile if profile and profile.name.startswith(
-                                             device.platform) else None))
-  policy, prediction = choose_policy(rc, cfg, planner, budgets, profile, prompt_len)
-  plan = planner.run_plan(policy, budgets, prompt_len=prompt_len,
-                          gen_len=rc.generation.gen_len, temperature=rc.generation.temperature,
-                          top_p=rc.generation.top_p)
-  head = {'model': cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
-          'hw_profile': profile.name if profile else None,
-          **_prediction_fields(prediction),
-          **{f'{tier}_budget_bytes': value for tier, value in budgets.items()},
-          **{f'planned_{tier}_peak_bytes': value for tier, value in plan.peaks().items()}}
+  policy, prediction = choose_policy(rc, cfg, st.planner, st.budgets, st.profile, prompt_len)
+  _, head = plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+                        gen_len=rc.generation.gen_len)
   if rc.dry_run:
-    try:
-      plan.check(budgets)
-      head['fits'] = True
-    except FlexjaxError as e:
-      head['fits'] = False
-      head['does_not_fit'] = str(e)
     return head
-  plan.check(budgets)  # refused here, before any weight is read
   if not rc.prompt_file:
     prompts = synthetic_prompts(cfg, rc.num_prompts or policy.block_size, prompt_len,
                                 seed=rc.generation.seed)
     texts = [None] * len(prompts)
-  with Engine(source, policy=policy, compute_dtype=compute_dtype,
-              cache_dtype=rc.cache_dtype, device=device, budgets=budgets, planner=planner,
-              offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
-              weights_cache=rc.weights_cache, io_threads=rc.io_threads,
-              progress=sys.stderr.isatty()) as engine:
+  with engine_for(rc, st, policy) as engine:
     result = engine.generate(prompts, rc.generation)
-  measured = watch.peaks()
+  measured = st.watch.peaks()
   if rc.output:
     write_outputs(rc.output, prompts, texts, result, tokenizer)
   return {**head, **report(rc, engine, result, measured)}
@@ -279,16 +340,21 @@ def meminfo_bytes(key: str) -> int | None:
   return None
 
 
+def measured_fields(device, measured: dict[str, int]) -> dict[str, Any]:
+  """Peaks from the system: the process's RSS on a CPU backend (device and host are one RAM),
+  memory_stats()'s peak and the RSS on an accelerator."""
+  if device.platform == 'cpu':
+    return {'measured_ram_peak_bytes': measured['rss']}
+  return {'measured_device_peak_bytes': measured.get('device'),
+          'measured_host_peak_bytes': measured['rss']}
+
+
 def report(rc: RunConfig, engine: Engine, result: GenerationResult,
            measured: dict[str, int]) -> dict[str, Any]:
   """The run's report. Planned peaks are the execution plan's; measured ones come from the
   system: on a CPU backend the process's peak RSS above the idle process ('ram': device and
   host tiers together), on an accelerator memory_stats()'s peak ('device') and the RSS
   ('host')."""
-  on_cpu = engine.device.platform == 'cpu'
-  measured_fields = ({'measured_ram_peak_bytes': measured['rss']} if on_cpu else
-                     {'measured_device_peak_bytes': measured.get('device'),
-                      'measured_host_peak_bytes': measured['rss']})
   return {
       'model': engine.config.name,
       'weights': rc.weights,
@@ -308,7 +374,7 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult,
       'total_tok_s': round(result.total_throughput, 3),
       **{f'planned_{tier}_peak_bytes': value
          for tier, value in result.planned_peak_bytes.items()},
-      **measured_fields,
+      **measured_fields(engine.device, measured),
       'runtime_counted_peak_bytes': result.peak_bytes,
       'disk_weight_bytes': result.disk_weight_bytes,
       'decode_weight_stream_gbps': round(result.decode_weight_stream / 1e9, 3),
@@ -320,19 +386,13 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult,
 
 def write_outputs(path: str, prompts, texts, result: GenerationResult,
                   tokenizer: Tokenizer | None) -> None:
-  """Writes one JSON line per prompt, atomically (temp file in the same folder, then rename)."""
-  target = Path(path).absolute()
-  target.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f'.{target.name}.', dir=target.parent)
-  try:
-    with os.fdopen(fd, 'w') as f:
-      for ids, text, seq in zip(prompts, texts, result.sequences):
-        record = {'prompt': text, 'prompt_tokens': list(map(int, ids)),
-                  'output_tokens': seq.tolist()}
-        if tokenizer is not None:
-          record['output'] = tokenizer.decode(seq)
-        f.write(json.dumps(record) + '\n')
-    os.replace(tmp, target)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
+  """Writes one JSON line per prompt, atomically (the file is whole or untouched)."""
+  from flexjax.job import write_atomically
+  lines = []
+  for ids, text, seq in zip(prompts, texts, result.sequences):
+    record = {'prompt': text, 'prompt_tokens': list(map(int, ids)),
+              'output_tokens': seq.tolist()}
+    if tokenizer is not None:
+      record['output'] = tokenizer.decode(seq)
+    lines.append(json.dumps(record) + '\n')
+  write_atomically(path, ''.join(lines))

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def next_token(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float):
-  """Greedy (temperature 0) or temperature + nucleus sampling. logits: [b, vocab] -> [b] int32."""
+def next_token(logits: jax.Array, keys: jax.Array, *, temperature: float, top_p: float):
+  """Greedy (temperature 0) or temperature + nucleus sampling, each row with its own key (so a
+  row's sample does not depend on the rows batched with it). logits: [b, vocab], keys: [b]
+  -> [b] int32."""
   if temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / temperature
@@ -20,7 +22,8 @@ def next_token(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: 
     cutoff_index = jnp.sum(before < top_p, axis=-1, keepdims=True) - 1
     cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  draw = jax.vmap(lambda key, row: jax.random.categorical(key, row))
+  return draw(keys, logits).astype(jnp.int32)
 
 
 def trim(row: np.ndarray, eos_id: int, stop_at_eos: bool) -> np.ndarray:

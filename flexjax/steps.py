@@ -283,7 +283,7 @@ class Steps:
     return _Compile({'device': self.device, 'cpu': self.cpu})
 
   def _analyse_head(self, params, x, temperature, top_p) -> StepMemory:
-    counters = _spec((3,), np.uint32, self.device)
+    counters = _spec((x.shape[0], 2), np.uint32, self.device)
     return _analyse(self.head, params, x, counters, temperature=temperature, top_p=top_p)
 
   def analyse_load(self, shape: tuple[int, ...], dim: int) -> StepMemory:
@@ -324,14 +324,14 @@ def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, tempera
   """LM head of the last position and the next token.
 
   Args:
-    x: [b, s, hidden]; counters: uint32 [3] (seed, block, token) naming the sampling key.
+    x: [b, s, hidden]; counters: uint32 [b, 2] (the row's seed, token) naming each row's
+      sampling key.
   Returns:
     (logits [b, vocab] float32, tokens [b] int32).
   """
   logits = opt.head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(counters[0]), counters[1]),
-                           counters[2])
-  return logits, next_token(logits, key, temperature=temperature, top_p=top_p)
+  keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(c[0]), c[1]))(counters)
+  return logits, next_token(logits, keys, temperature=temperature, top_p=top_p)
 
 
 def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, cache_dtype,

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from flexjax import diskio
+from flexjax import progress as progress_lib
 from flexjax.config import np_dtype
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
@@ -164,7 +165,8 @@ def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *
             tmp / f'{stage}.bin', stage_file_bytes(entries), what='the streaming weight layout',
             where=folder.parent,
             fix=f'free space there ({total:,} bytes in all) or point --weights_cache elsewhere')
-      bar = _progress(total, f'writing weight layout {folder.name}', progress)
+      bar = progress_lib.bar(total, f'writing weight layout {folder.name}', unit='B',
+                             unit_scale=True, show=progress, leave=False)
       for stage, entries in index.items():
         host = params_lib.flatten(read_stage(stage)) if entries else {}
         for key, entry in entries.items():
@@ -192,12 +194,6 @@ def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *
         raise
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _progress(total: int, desc: str, enabled: bool):
-  from tqdm import tqdm
-  return tqdm(total=total, desc=desc, unit='B', unit_scale=True, disable=not enabled,
-              leave=False)
 
 
 def default_cache_dir() -> Path:

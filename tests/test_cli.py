@@ -63,18 +63,28 @@ def run_cli(*args, cwd=None):
                         text=True, env=env, cwd=cwd or REPO, timeout=300)
 
 
+def run_report(tmp_path, *args):
+  """main's exit, its printed table and its --report_json."""
+  path = tmp_path / 'report.json'
+  path.unlink(missing_ok=True)
+  proc = run_cli(*args, f'--report_json={path}')
+  assert proc.returncode == 0, proc.stderr
+  return proc, json.loads(path.read_text())
+
+
 def test_main_runs_the_default_flagfile_and_writes_outputs(tmp_path):
   out = tmp_path / 'gen.jsonl'
-  proc = run_cli(f'--flagfile={REPO / "configs/opt125m.flags"}', '--prompt_len=8', '--gen_len=3',
-                 '--gpu_batch_size=2', '--num_prompts=3', f'--output={out}')
-  assert proc.returncode == 0, proc.stderr
-  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  proc, report = run_report(tmp_path, f'--flagfile={REPO / "configs/opt125m.flags"}',
+                            '--prompt_len=8', '--gen_len=3', '--gpu_batch_size=2',
+                            '--num_prompts=3', f'--output={out}')
+  # the report is printed once, as a table
+  assert proc.stdout.count('generated_tokens') == 1 and '{' not in proc.stdout
   assert report['model'] == 'opt-125m' and report['generated_tokens'] == 9
   assert 0 < report['measured_ram_peak_bytes'] <= report['planned_ram_peak_bytes']
   assert report['total_tok_s'] > 0
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   assert len(lines) == 3 and all(len(r['output_tokens']) == 3 for r in lines)
-  assert [p.name for p in tmp_path.iterdir()] == ['gen.jsonl']  # no temp file left
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['gen.jsonl', 'report.json']
 
 
 def test_main_with_a_checkpoint_and_text_prompts(pre_ln, tmp_path):
@@ -118,26 +128,24 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
   _one_line_error(run_cli('--gpu_mem=0.001'), 'on the device', 'short by')
 
 
-def test_auto_policy_dry_run_prints_the_choice_and_prediction():
-  proc = run_cli(f'--flagfile={REPO / "configs/opt30b.flags"}', '--hw_profile=paper-t4',
-                 '--gpu_mem=15', '--cpu_mem=200', '--disk_mem=1500', '--dry_run')
-  assert proc.returncode == 0, proc.stderr
-  report = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_auto_policy_dry_run_prints_the_choice_and_prediction(tmp_path):
+  _, report = run_report(tmp_path, f'--flagfile={REPO / "configs/opt30b.flags"}',
+                         '--hw_profile=paper-t4', '--gpu_mem=15', '--cpu_mem=200',
+                         '--disk_mem=1500', '--dry_run')
   assert report['policy_mode'] == 'auto' and report['predicted_total_tok_s'] > 0
   assert report['predicted_device_peak_bytes'] <= 15 * 2**30
 
 
 def test_auto_policy_runs_and_hand_policies_get_a_prediction(tmp_path):
   profile = REPO / 'configs' / 'hw' / 'paper-t4.json'
-  auto = run_cli('--model=opt-125m', '--policy=auto', f'--hw_profile={profile}', '--gpu_mem=0.5',
-                 '--cpu_mem=2', '--disk_mem=4', f'--offload_dir={tmp_path}', '--prompt_len=8',
-                 '--gen_len=3')
-  assert auto.returncode == 0, auto.stderr
-  report = json.loads(auto.stdout.strip().splitlines()[-1])
+  _, report = run_report(tmp_path, '--model=opt-125m', '--policy=auto',
+                         f'--hw_profile={profile}', '--gpu_mem=0.5', '--cpu_mem=2',
+                         '--disk_mem=4', f'--offload_dir={tmp_path}', '--prompt_len=8',
+                         '--gen_len=3')
   assert report['planned_device_peak_bytes'] <= 0.5 * 2**30 and report['generated_tokens'] > 0
-  manual = run_cli('--model=opt-125m', '--hw_profile=paper-t4', '--prompt_len=8', '--gen_len=3',
-                   '--gpu_batch_size=2', '--dry_run')
-  assert json.loads(manual.stdout.strip().splitlines()[-1])['predicted_total_tok_s'] > 0
+  _, manual = run_report(tmp_path, '--model=opt-125m', '--hw_profile=paper-t4',
+                         '--prompt_len=8', '--gen_len=3', '--gpu_batch_size=2', '--dry_run')
+  assert manual['predicted_total_tok_s'] > 0
 
 
 def test_auto_policy_without_room_names_the_short_tier():

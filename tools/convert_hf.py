@@ -21,9 +21,11 @@ def main(argv):
   del argv
   import jax
   jax.config.update('jax_platforms', 'cpu')  # conversion never needs the accelerator
+  from flexjax import progress as progress_lib
   from flexjax.hf_import import convert
   try:
-    path = convert(_HF_DIR.value, _OUTPUT.value, dtype=_DTYPE.value, overwrite=_OVERWRITE.value)
+    path = convert(_HF_DIR.value, _OUTPUT.value, dtype=_DTYPE.value, overwrite=_OVERWRITE.value,
+                   progress=progress_lib.enabled())
   except FlexjaxError as e:
     print(f'convert_hf: error: {e}', file=sys.stderr)
     return 2

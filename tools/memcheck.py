@@ -13,6 +13,7 @@ how tight it is.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,11 +74,14 @@ def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -
   """Runs one case in a fresh process; returns its planned and measured peaks."""
   argv = [sys.executable, '-m', 'flexjax.main', *COMMON, *CASES.get(name, ()), *extra]
   with tempfile.TemporaryDirectory(prefix='flexjax-memcheck-') as tmp:
-    done = subprocess.run(argv + [f'--offload_dir={tmp}'], capture_output=True, text=True,
-                          timeout=timeout)
-  if done.returncode != 0:
-    raise RuntimeError(f'case {name} failed ({done.returncode}): {done.stderr.strip()[-2000:]}')
-  report = json.loads(done.stdout.strip().splitlines()[-1])
+    path = os.path.join(tmp, 'report.json')
+    done = subprocess.run(argv + [f'--offload_dir={tmp}', f'--report_json={path}'],
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+      raise RuntimeError(f'case {name} failed ({done.returncode}): '
+                         f'{done.stderr.strip()[-2000:]}')
+    with open(path) as f:
+      report = json.load(f)
   on_cpu = report['device'].startswith('cpu')
   tier = 'ram' if on_cpu else 'device'
   planned = report[f'planned_{tier}_peak_bytes']

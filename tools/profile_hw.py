@@ -19,8 +19,10 @@ _QUICK = flags.DEFINE_bool('quick', False, 'Fewer matmul sizes.')
 def main(argv):
   del argv
   from flexjax import hardware
+  from flexjax import progress as progress_lib
   try:
-    profile = hardware.measure(scratch_dir=_SCRATCH.value, size_mb=_SIZE.value, quick=_QUICK.value)
+    profile = hardware.measure(scratch_dir=_SCRATCH.value, size_mb=_SIZE.value, quick=_QUICK.value,
+                               progress=progress_lib.enabled())
     profile.save(_OUTPUT.value)
   except (FlexjaxError, OSError) as e:
     print(f'profile_hw: error: {e}', file=sys.stderr)

@@ -1,0 +1,519 @@
+"""Batch jobs: a JSONL file of rows in, a JSONL file of generations out, durably and resumably.
+
+A row is a JSON object: `id` (default: its line number), `prompt` (text) or `tokens` (ids), and
+optionally `max_new_tokens`, `stop` (a string or a list), `temperature`, `top_p`, `seed`. Rows
+are bucketed by length into blocks of the policy's block size, so that a block pads its prompts
+to a few distinct lengths only (`--nobucket`: every block pads to the longest prompt and the
+longest output, as FlexGen does).
+
+Durability: the output is written one block at a time (lines, flush, fsync), then a progress
+file beside it (`<output>.progress`) records the blocks done and the output's length, atomically.
+A job killed at any moment and started again with the same command cuts the output back to the
+recorded length and runs the blocks not recorded: no row is lost or written twice, and the blocks
+are the same as in an uninterrupted run, so greedy outputs are identical. The progress file also
+keeps the policy of the first run (a searched policy is not searched again). When the job is
+complete the progress file is removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from flexjax import progress as progress_lib
+from flexjax.config import ModelConfig
+from flexjax.engine import Engine, GenerationConfig
+from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
+from flexjax.tokenizer import Tokenizer
+
+FORMAT = 'flexjax-job-v1'
+FIELDS = ('id', 'prompt', 'tokens', 'max_new_tokens', 'stop', 'temperature', 'top_p', 'seed')
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """A valid input row, tokenized."""
+
+  line: int  # 1-based line of the input file
+  id: Any
+  tokens: tuple[int, ...]
+  max_new_tokens: int
+  stop: tuple[str, ...]
+  temperature: float
+  top_p: float
+  seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BadRow:
+  line: int
+  id: Any
+  error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """Rows generated together: prompts padded to pad_to, gen_len decode steps at most."""
+
+  number: int
+  rows: tuple[Row, ...]
+  pad_to: int
+  gen_len: int
+
+  @property
+  def sampling(self) -> tuple[float, float]:
+    return self.rows[0].temperature, self.rows[0].top_p
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def read_text(path: str, flag: str) -> str:
+  """A UTF-8 text file's contents; one-line errors for a folder, a missing or binary file."""
+  p = Path(path)
+  if p.is_dir():
+    raise FlexjaxError(f'--{flag}={path!r} is a folder; give a JSONL file (one JSON object per '
+                       'line)')
+  if not p.is_file():
+    raise FlexjaxError(f'--{flag}={path!r} does not exist; give an existing JSONL file')
+  data = p.read_bytes()
+  try:
+    return data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b'\n') + 1
+    raise FlexjaxError(f'--{flag}={path!r} is not UTF-8 text (byte {e.start}, line {line}); '
+                       'give a text file saved as UTF-8') from None
+
+
+def parse_rows(text: str, cfg: ModelConfig, tokenizer: Tokenizer | None,
+               defaults: GenerationConfig) -> tuple[list[Row], list[BadRow]]:
+  """Valid rows and bad ones (each with its error); blank lines are skipped."""
+  rows, bad, seen = [], [], {}
+  for line, raw in enumerate(text.splitlines(), 1):
+    if not raw.strip():
+      continue
+    try:
+      record = json.loads(raw)
+    except json.JSONDecodeError as e:
+      bad.append(BadRow(line, line, f'not JSON ({e.msg}, column {e.colno})'))
+      continue
+    row_id = record.get('id', line) if isinstance(record, dict) else line
+    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool):
+      bad.append(BadRow(line, line, f'id {row_id!r} must be a string or an integer'))
+      continue
+    if row_id in seen:
+      bad.append(BadRow(line, row_id, f'id {row_id!r} repeats line {seen[row_id]}; ids must be '
+                                      'unique'))
+      continue
+    seen[row_id] = line
+    try:
+      rows.append(_row(record, line, row_id, cfg, tokenizer, defaults))
+    except FlexjaxError as e:
+      bad.append(BadRow(line, row_id, str(e)))
+  return rows, bad
+
+
+def _row(record, line: int, row_id, cfg: ModelConfig, tokenizer: Tokenizer | None,
+         defaults: GenerationConfig) -> Row:
+  if not isinstance(record, dict):
+    raise FlexjaxError('a row must be a JSON object with "prompt" or "tokens"')
+  unknown = sorted(set(record) - set(FIELDS))
+  if unknown:
+    raise FlexjaxError(f'unknown field {unknown[0]!r}; the fields are {", ".join(FIELDS)}')
+  if ('prompt' in record) == ('tokens' in record):
+    raise FlexjaxError('a row needs exactly one of "prompt" (text) and "tokens" (ids)')
+  stop = record.get('stop', [])
+  stop = [stop] if isinstance(stop, str) else stop
+  if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+    raise FlexjaxError('"stop" must be a non-empty string or a list of them')
+  if (stop or 'prompt' in record) and tokenizer is None:
+    raise FlexjaxError('text ("prompt" or "stop") needs a tokenizer, and these weights have none; '
+                       'give "tokens" ids, or a checkpoint converted with its tokenizer files')
+  if 'prompt' in record:
+    if not isinstance(record['prompt'], str) or not record['prompt'].strip():
+      raise FlexjaxError('"prompt" must be a non-empty string')
+    tokens = tokenizer.encode(record['prompt'])
+  else:
+    tokens = record['tokens']
+    if (not isinstance(tokens, list) or not tokens or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size
+        for t in tokens)):
+      raise FlexjaxError(f'"tokens" must be a non-empty list of ids in [0, {cfg.vocab_size})')
+  new = _number(record, 'max_new_tokens', defaults.gen_len, int)
+  if new < 1:
+    raise FlexjaxError(f'"max_new_tokens" is {new}; it must be >= 1')
+  if len(tokens) + new - 1 > cfg.max_positions:
+    raise FlexjaxError(f'the prompt ({len(tokens)} tokens) plus {new} new tokens needs '
+                       f'{len(tokens) + new - 1} positions but {cfg.name} has '
+                       f'{cfg.max_positions}; shorten the prompt or "max_new_tokens"')
+  temperature = _number(record, 'temperature', defaults.temperature, float)
+  top_p = _number(record, 'top_p', defaults.top_p, float)
+  seed = record.get('seed')
+  if seed is None:
+    seed = derived_seed(defaults.seed, row_id)
+  elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+    raise FlexjaxError(f'"seed" is {seed!r}; it must be an integer in [0, 2**32)')
+  try:
+    GenerationConfig(gen_len=new, temperature=temperature, top_p=top_p)
+  except FlexjaxError as e:
+    raise FlexjaxError(str(e).replace('temperature=', '"temperature" ').replace(
+        'top_p=', '"top_p" ')) from None
+  return Row(line, row_id, tuple(tokens), new, tuple(stop), temperature, top_p, seed)
+
+
+def _number(record: dict, key: str, default, kind):
+  value = record.get(key, default)
+  if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+    raise FlexjaxError(f'"{key}" is {value!r}; it must be a number' +
+                       (' (an integer)' if kind is int else ''))
+  return kind(value)
+
+
+def derived_seed(seed: int, row_id) -> int:
+  """A row's sampling seed from the job's --seed and its id (the same wherever it is batched)."""
+  digest = hashlib.sha256(json.dumps([seed, row_id]).encode()).digest()
+  return int.from_bytes(digest[:4], 'little')
+
+
+# ---- blocks --------------------------------------------------------------------------------------
+def bucket_length(n: int) -> int:
+  """n rounded up to one of few lengths: a multiple of 8 up to 64, then of 1/8 of the power of
+  two below n (at most about 1/8 of padding, and a handful of distinct shapes per octave)."""
+  step = max(8, 2 ** max(0, math.floor(math.log2(max(n, 1))) - 3))
+  return -(-n // step) * step
+
+
+def plan_blocks(rows: Sequence[Row], block_size: int, *, bucket: bool,
+                max_positions: int) -> list[Block]:
+  """Rows grouped into blocks. Rows of one block share temperature and top_p. Bucketed: sorted by
+  prompt and output length, each block padded to the bucket of its longest; else in input order,
+  every block padded to the job's longest prompt and output."""
+  groups: dict[tuple[float, float], list[Row]] = {}
+  for row in rows:
+    groups.setdefault((row.temperature, row.top_p), []).append(row)
+  blocks = []
+  for key in sorted(groups):
+    group = groups[key]
+    if bucket:
+      group = sorted(group, key=lambda r: (bucket_length(len(r.tokens)),
+                                           bucket_length(r.max_new_tokens), r.line))
+    longest = max(len(r.tokens) for r in group)
+    most = max(r.max_new_tokens for r in group)
+    for start in range(0, len(group), block_size):
+      chunk = tuple(group[start:start + block_size])
+      if bucket:
+        longest = max(len(r.tokens) for r in chunk)
+        most = max(r.max_new_tokens for r in chunk)
+      pad_to, gen_len = _shape(longest, most, bucket, max_positions)
+      blocks.append(Block(len(blocks), chunk, pad_to, gen_len))
+  return blocks
+
+
+def _shape(longest: int, most: int, bucket: bool, max_positions: int) -> tuple[int, int]:
+  """A block's padded prompt length and decode steps; bucketed lengths where they fit the
+  model's positions (a row's own lengths always do)."""
+  if not bucket:
+    return longest, most
+  pad_to, gen_len = bucket_length(longest), bucket_length(most)
+  if pad_to + gen_len - 1 > max_positions:
+    gen_len = max(most, max_positions + 1 - pad_to)
+  if pad_to + gen_len - 1 > max_positions:
+    pad_to = max(longest, max_positions + 1 - gen_len)
+  return pad_to, gen_len
+
+
+def largest_shape(rows: Sequence[Row], *, bucket: bool,
+                  max_positions: int) -> tuple[int, int]:
+  """A prompt length and output length no block of these rows exceeds (for the plan)."""
+  longest = max(len(r.tokens) for r in rows)
+  most = max(r.max_new_tokens for r in rows)
+  return _shape(longest, most, bucket, max_positions)
+
+
+# ---- durable output ------------------------------------------------------------------------------
+def check_output(path: str, flag: str = 'output') -> Path:
+  """An output path, checked before any work: not a folder, its folder exists and is writable."""
+  target = Path(path).absolute()
+  if target.is_dir():
+    raise FlexjaxError(f'--{flag}={path!r} is a folder; give a file path such as '
+                       f'{os.path.join(path, "out.jsonl")!r}')
+  if not target.parent.is_dir():
+    raise FlexjaxError(f'--{flag}={path!r}: folder {str(target.parent)!r} does not exist; create '
+                       'it first')
+  if not os.access(target.parent, os.W_OK | os.X_OK) or (
+      target.exists() and not os.access(target, os.W_OK)):
+    raise FlexjaxError(f'--{flag}={path!r} cannot be written (permission denied); choose a '
+                       'writable location')
+  return target
+
+
+def write_atomically(path: str | os.PathLike, text: str) -> None:
+  """Writes a file whole or not at all: a temporary file in the same folder, synced, renamed."""
+  target = Path(path).absolute()
+  tmp = target.with_name(f'.{target.name}.tmp-{os.getpid()}')
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, target)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+class JobOutput:
+  """The output file and its progress file: blocks appended durably, resumable."""
+
+  def __init__(self, path: str, job: str):
+    self.path = check_output(path)
+    self.marker = self.path.with_name(self.path.name + '.progress')
+    self.job = job
+    self.done: set[int] = set()
+    self.policy: dict | None = None
+    self.rows = 0
+    self._bytes = 0
+    self._file = None
+
+  def resume(self) -> bool:
+    """Reads the progress of an interrupted run of this job; False when starting afresh.
+    Refuses to touch an output that is not an interrupted run of the same job."""
+    if not self.marker.exists():
+      if self.path.exists():
+        raise FlexjaxError(f'--output={str(self.path)!r} already exists; remove it or choose '
+                           'another path (it is never overwritten)')
+      return False
+    try:
+      state = json.loads(self.marker.read_text())
+      assert state['format'] == FORMAT
+      done, size, rows = set(state['done']), int(state['bytes']), int(state['rows'])
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+      raise FlexjaxError(f'{str(self.marker)!r} is not a flexjax job progress file; remove it '
+                         'and the output to start again') from None
+    if state['job'] != self.job:
+      raise FlexjaxError(f'--output={str(self.path)!r} holds an interrupted run of another job '
+                         '(its input or generation flags differ); rerun that command to finish '
+                         'it, or choose another --output')
+    have = self.path.stat().st_size if self.path.exists() else 0
+    if have < size:
+      raise FlexjaxError(f'--output={str(self.path)!r} is shorter ({have} bytes) than its '
+                         f'progress file records ({size}); it was changed outside the job: '
+                         'remove both to start again')
+    self.done, self._bytes, self.rows, self.policy = done, size, rows, state.get('policy')
+    return True
+
+  def open(self, policy: Policy) -> None:
+    """Starts writing: records the policy (a fresh job), cuts off what an interrupted block
+    left after the last recorded one."""
+    if self.policy is None:
+      self.policy = dataclasses.asdict(policy)
+      self._save_marker()
+    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.ftruncate(fd, self._bytes)
+    self._file = os.fdopen(fd, 'ab')
+
+  def write_block(self, number: int, records: Iterable[dict]) -> None:
+    data = b''.join(json.dumps(r, ensure_ascii=False).encode() + b'\n' for r in records)
+    count = data.count(b'\n')
+    self._file.write(data)
+    self._file.flush()
+    os.fsync(self._file.fileno())
+    self._bytes += len(data)
+    self.rows += count
+    self.done.add(number)
+    self._save_marker()
+
+  def finish(self) -> None:
+    """The job is complete: the progress file goes."""
+    self.close()
+    self.marker.unlink(missing_ok=True)
+    _sync_folder(self.path.parent)
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+  def _save_marker(self) -> None:
+    state = {'format': FORMAT, 'job': self.job, 'policy': self.policy, 'bytes': self._bytes,
+             'rows': self.rows, 'done': sorted(self.done)}
+    write_atomically(self.marker, json.dumps(state) + '\n')
+    _sync_folder(self.path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+  fd = os.open(folder, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def job_fingerprint(input_text: str, **settings) -> str:
+  """What makes two runs the same job: the input and every setting that changes its outputs."""
+  h = hashlib.sha256(input_text.encode())
+  h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+  return h.hexdigest()
+
+
+# ---- running -------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Tally:
+  """Tokens of the blocks run, useful and padded (the paper's Table 25 counts), and time."""
+
+  rows: int = 0
+  useful: int = 0  # prompt tokens + new tokens kept
+  padded: int = 0  # padded prompt tokens + decode steps, over every slot of a block
+  generated: int = 0
+  seconds: float = 0.0
+
+
+def run_blocks(engine: Engine, blocks: Sequence[Block], output: JobOutput, *,
+               tokenizer: Tokenizer | None, stop_at_eos: bool, show_progress: bool) -> Tally:
+  """Generates the blocks not yet done, writing each durably as it completes."""
+  todo = [b for b in blocks if b.number not in output.done]
+  tally = Tally()
+  eos = engine.config.eos_token_id
+  slots = engine.policy.block_size
+  with progress_lib.bar(sum(len(b.rows) for b in blocks), 'generating', unit='row',
+                        show=show_progress) as bar:
+    bar.update(sum(len(b.rows) for b in blocks if b.number in output.done))
+    for block in todo:
+      temperature, top_p = block.sampling
+      gen = GenerationConfig(gen_len=block.gen_len, temperature=temperature, top_p=top_p,
+                             stop_at_eos=stop_at_eos)
+      start = time.perf_counter()
+      result = engine.generate([list(r.tokens) for r in block.rows], gen,
+                               seeds=[r.seed for r in block.rows],
+                               limits=[r.max_new_tokens for r in block.rows],
+                               pad_to=block.pad_to)
+      records = [_record(row, seq, tokenizer, eos)
+                 for row, seq in zip(block.rows, result.sequences)]
+      output.write_block(block.number, records)
+      tally.seconds += time.perf_counter() - start
+      tally.rows += len(block.rows)
+      tally.generated += result.generated_tokens
+      tally.useful += sum(len(r.tokens) + len(rec['output_tokens'])
+                          for r, rec in zip(block.rows, records))
+      decode_steps = result.generated_tokens // len(block.rows)
+      tally.padded += slots * (block.pad_to + decode_steps)
+      bar.update(len(block.rows))
+      bar.set_postfix_str(f'{tally.generated / tally.seconds:.1f} tok/s')
+  return tally
+
+
+def _record(row: Row, seq: np.ndarray, tokenizer: Tokenizer | None, eos: int) -> dict:
+  """An output line: the row's id and line, its new tokens (cut at a stop string) and text."""
+  ids = [int(t) for t in seq[:row.max_new_tokens]]
+  reason = 'eos' if ids and ids[-1] == eos else 'length'
+  record = {'id': row.id, 'line': row.line, 'prompt_tokens': len(row.tokens)}
+  if tokenizer is not None:
+    text = tokenizer.decode(ids)
+    hits = [(text.find(s), s) for s in row.stop if s in text]
+    if hits:
+      cut, stop = min(hits)
+      ids, text, reason = _tokens_through(ids, tokenizer, stop), text[:cut], 'stop'
+    record['output'] = text
+  record.update(output_tokens=ids, finish_reason=reason, error=None)
+  return record
+
+
+def _tokens_through(ids: list[int], tokenizer: Tokenizer, stop: str) -> list[int]:
+  """The shortest prefix of ids whose text contains the stop string."""
+  for k in range(1, len(ids) + 1):
+    if stop in tokenizer.decode(ids[:k]):
+      return ids[:k]
+  return ids
+
+
+def bad_record(row: BadRow) -> dict:
+  return {'id': row.id, 'line': row.line, 'output_tokens': [], 'finish_reason': None,
+          'error': row.error}
+
+
+def padding_report(rows: Sequence[Row], block_size: int, max_positions: int,
+                   tally: Tally) -> dict[str, Any]:
+  """Useful and padded tokens (Table 25's counts) measured over the blocks this run generated,
+  and the efficiency of the job's blocks bucketed and not, counting every row at its full
+  max_new_tokens (the same rows both ways, whichever way this run batched them)."""
+  report = {'useful_tokens': tally.useful, 'padded_tokens': tally.padded,
+            'padding_efficiency': round(tally.useful / tally.padded, 4) if tally.padded else None,
+            'actual_tok_s': round(tally.useful / tally.seconds, 3) if tally.seconds else None,
+            'padded_tok_s': round(tally.padded / tally.seconds, 3) if tally.seconds else None}
+  if rows:
+    useful = sum(len(r.tokens) + r.max_new_tokens for r in rows)
+    report['padding_efficiency_full_length'] = {
+        way: round(useful / sum(block_size * (b.pad_to + b.gen_len) for b in plan_blocks(
+            rows, block_size, bucket=way == 'bucketed', max_positions=max_positions)), 4)
+        for way in ('bucketed', 'unbucketed')}
+  return report
+
+
+def run_job(rc) -> dict[str, Any]:
+  """Runs a batch job (--input rows to --output); returns its report."""
+  from flexjax import run as run_lib
+
+  text = read_text(rc.input, 'input')
+  if not rc.output:
+    raise FlexjaxError(f'--input={rc.input!r} needs --output=FILE.jsonl for the generations')
+  check_output(rc.output)
+  st = run_lib.setup(rc)
+  cfg = st.cfg
+  rows, bad = parse_rows(text, cfg, st.tokenizer, rc.generation)
+  job = job_fingerprint(text, weights=_weights_identity(rc, st), compute=st.compute_dtype,
+                        cache=rc.cache_dtype, stop_at_eos=rc.generation.stop_at_eos,
+                        gen_len=rc.generation.gen_len, temperature=rc.generation.temperature,
+                        top_p=rc.generation.top_p, seed=rc.generation.seed, bucket=rc.bucket)
+  output = JobOutput(rc.output, job)
+  resumed = output.resume()
+  summary = {'input': rc.input, 'output': str(output.path), 'rows': len(rows) + len(bad),
+             'bad_rows': len(bad)}
+  if not rows:
+    head, blocks, tally = {'model': cfg.name}, [], Tally()
+    policy = Policy(**output.policy) if output.policy else rc.policy
+  else:
+    prompt_len, gen_len = largest_shape(rows, bucket=rc.bucket, max_positions=cfg.max_positions)
+    if output.policy is not None:  # a resumed job keeps its first run's policy
+      policy, prediction = Policy(**output.policy), None
+    else:
+      policy, prediction = run_lib.choose_policy(rc, cfg, st.planner, st.budgets, st.profile,
+                                                 prompt_len, gen_len=gen_len)
+    _, head = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+                                  gen_len=gen_len)
+    blocks = plan_blocks(rows, policy.block_size, bucket=rc.bucket,
+                         max_positions=cfg.max_positions)
+  summary['blocks'] = len(blocks)
+  if rc.dry_run:
+    return {**head, **summary}
+  done_before = output.rows
+  output.open(policy)
+  try:
+    if bad and -1 not in output.done:
+      output.write_block(-1, [bad_record(b) for b in bad])
+    tally = Tally()
+    if any(b.number not in output.done for b in blocks):
+      with run_lib.engine_for(rc, st, policy) as engine:
+        tally = run_blocks(engine, blocks, output, tokenizer=st.tokenizer,
+                           stop_at_eos=rc.generation.stop_at_eos,
+                           show_progress=progress_lib.enabled(rc.progress))
+    output.finish()
+  finally:
+    output.close()
+  measured = st.watch.peaks()
+  return {**head, **summary, 'resumed': resumed, 'rows_written_before': done_before,
+          'rows_generated': tally.rows, 'generated_tokens': tally.generated,
+          'generation_s': round(tally.seconds, 3),
+          **padding_report(rows, policy.block_size, cfg.max_positions, tally),
+          **run_lib.measured_fields(st.device, measured)}
+
+
+def _weights_identity(rc, st) -> dict[str, Any]:
+  if rc.weights == 'dummy':
+    return {'dummy': st.cfg.name, 'seed': rc.dummy_seed, 'dtype': st.source.dtype}
+  return {'checkpoint': st.source.fingerprint()}

@@ -1,0 +1,223 @@
+"""Batch jobs (--input/--output): bucketing, per-row parameters, bad rows, and resuming after
+kill -9 with no row lost or written twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flexjax import job as job_lib
+from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
+from flexjax.run import RunConfig, run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_rows(path: Path, rows: list) -> Path:
+  path.write_text(''.join((r if isinstance(r, str) else json.dumps(r)) + '\n' for r in rows))
+  return path
+
+
+def mixed_rows(n: int, seed: int = 0, *, sampled: bool = False) -> list[dict]:
+  """Token-id rows of mixed prompt lengths (3..40) and output lengths (1..12)."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for i in range(n):
+    length = int(rng.choice([3, 5, 9, 14, 22, 40]))
+    row = {'id': f'row-{i}', 'tokens': [2] + rng.integers(4, 400, length - 1).tolist(),
+           'max_new_tokens': int(rng.choice([1, 4, 12]))}
+    if sampled and i % 3 == 0:
+      row.update(temperature=0.8, top_p=0.9)
+    rows.append(row)
+  return rows
+
+
+def run_job(ckpt, tmp_path, input_path, name='out.jsonl', **kw):
+  rc = RunConfig(model=None, weights='checkpoint', checkpoint=str(ckpt), input=str(input_path),
+                 output=str(tmp_path / name), policy=kw.pop('policy', Policy(gpu_batch_size=2)),
+                 progress=False, **kw)
+  report = run(rc)
+  lines = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+  return report, {r['id']: r for r in lines}
+
+
+def test_bucketing_pads_less_and_gives_the_same_outputs(pre_ln, tmp_path):
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(16))
+  bucketed, by_id = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'b.jsonl')
+  flat, flat_by_id = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'f.jsonl', bucket=False)
+  assert by_id.keys() == flat_by_id.keys() and len(by_id) == 16
+  for key, record in by_id.items():
+    assert record['output_tokens'] == flat_by_id[key]['output_tokens'], key
+    assert record['error'] is None and record['finish_reason'] in ('eos', 'length')
+  assert bucketed['padding_efficiency'] > flat['padding_efficiency']
+  assert bucketed['useful_tokens'] == flat['useful_tokens']
+  assert bucketed['padded_tokens'] < flat['padded_tokens']
+  full = bucketed['padding_efficiency_full_length']
+  assert full == flat['padding_efficiency_full_length']  # counted from the rows, both ways
+  assert full['bucketed'] > full['unbucketed']
+  # efficiency = useful / padded tokens (Table 25), and both throughputs are reported
+  assert bucketed['padding_efficiency'] == pytest.approx(
+      bucketed['useful_tokens'] / bucketed['padded_tokens'], abs=1e-4)
+  assert bucketed['actual_tok_s'] < bucketed['padded_tok_s']
+  assert not (tmp_path / 'b.jsonl.progress').exists()  # a complete job leaves no progress file
+
+
+def test_rows_get_their_own_lengths_seeds_and_stop_strings(pre_ln, tmp_path):
+  long_rows = [{'id': 'a', 'prompt': 'Paris is the capital', 'max_new_tokens': 10},
+               {'id': 'b', 'prompt': 'The quick brown fox', 'max_new_tokens': 10,
+                'temperature': 1.0, 'seed': 7}]
+  _, full = run_job(pre_ln.ckpt_dir, tmp_path, write_rows(tmp_path / 'l.jsonl', long_rows), 'l')
+  text = full['a']['output']
+  assert len(full['a']['output_tokens']) == 10 and len(text) > 4
+  stop = text[len(text) // 2:len(text) // 2 + 2]
+  cut = text.find(stop)
+  rows = [{'id': 'a', 'prompt': 'Paris is the capital', 'max_new_tokens': 3},
+          {'id': 'a-stop', 'prompt': 'Paris is the capital', 'max_new_tokens': 10, 'stop': stop},
+          {'id': 'filler', 'tokens': [2, 50, 60, 70, 80, 90, 100, 110], 'temperature': 1.0},
+          {'id': 'b', 'prompt': 'The quick brown fox', 'max_new_tokens': 10, 'temperature': 1.0,
+           'seed': 7}]
+  _, got = run_job(pre_ln.ckpt_dir, tmp_path, write_rows(tmp_path / 's.jsonl', rows), 's')
+  assert got['a']['output_tokens'] == full['a']['output_tokens'][:3]
+  assert got['a']['finish_reason'] == 'length'
+  assert got['a-stop']['output'] == text[:cut] and got['a-stop']['finish_reason'] == 'stop'
+  kept = got['a-stop']['output_tokens']
+  assert kept == full['a']['output_tokens'][:len(kept)] and len(kept) < 10
+  # a sampled row with its own seed gives the same tokens batched with another row or alone
+  assert got['b']['output_tokens'] == full['b']['output_tokens']
+
+
+def test_bad_rows_are_written_with_their_error_and_the_job_goes_on(pre_ln, tmp_path):
+  good = {'id': 'ok', 'tokens': [2, 11, 12, 13], 'max_new_tokens': 2}
+  rows = [good, 'not json', {'id': 'empty', 'prompt': '  '}, {'id': 'none'},
+          {'id': 'long', 'tokens': [2] * 60, 'max_new_tokens': 10},
+          {'id': 'hot', 'tokens': [2, 5], 'temperature': -1},
+          {'id': 'p', 'tokens': [2, 5], 'top_p': 1.5},
+          {'id': 'n', 'tokens': [2, 5], 'max_new_tokens': 0},
+          {'id': 'vocab', 'tokens': [2, 5000]},
+          {'id': 'typo', 'tokens': [2, 5], 'max_tokens': 3},
+          {'id': 'ok', 'tokens': [2, 5]},
+          {'id': 'seed', 'tokens': [2, 5], 'seed': -4}]
+  report, got = run_job(pre_ln.ckpt_dir, tmp_path, write_rows(tmp_path / 'r.jsonl', rows))
+  assert report['rows'] == 12 and report['bad_rows'] == 11 and report['rows_generated'] == 1
+  assert got['ok']['error'] is None and len(got['ok']['output_tokens']) == 2
+  errors = {key: r['error'] for key, r in got.items() if key != 'ok'}
+  assert len(errors) == 10  # the repeated id 'ok' is reported under its id, after the first
+  expected = {2: 'not JSON', 'empty': '"prompt" must be a non-empty string',
+              'none': 'exactly one of "prompt"', 'long': 'positions but',
+              'hot': '"temperature"', 'p': '"top_p"', 'n': '"max_new_tokens" is 0',
+              'vocab': '[0, 1000)', 'typo': "unknown field 'max_tokens'", 'seed': '"seed" is -4'}
+  for key, needle in expected.items():
+    assert needle in errors[key], (key, errors[key])
+  lines = (tmp_path / 'out.jsonl').read_text().splitlines()
+  assert sum('repeats line 1' in line for line in lines) == 1
+
+
+def test_unusable_paths_are_refused_before_any_work(pre_ln, tmp_path):
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(2))
+  binary = tmp_path / 'bin.jsonl'
+  binary.write_bytes(b'{"tokens": [2]}\n\xff\xfe\x00')
+  cases = [(dict(input=str(tmp_path)), 'is a folder'),
+           (dict(input=str(binary)), 'not UTF-8 text (byte 16, line 2)'),
+           (dict(input=str(tmp_path / 'missing.jsonl')), 'does not exist'),
+           (dict(output=str(tmp_path)), 'is a folder'),
+           (dict(output=str(tmp_path / 'no' / 'out.jsonl')), 'does not exist; create it'),
+           (dict(checkpoint=str(rows)), 'is a file; give the checkpoint folder')]
+  for change, needle in cases:
+    kw = dict(model=None, weights='checkpoint', checkpoint=str(pre_ln.ckpt_dir),
+              input=str(rows), output=str(tmp_path / 'out.jsonl'), progress=False)
+    with pytest.raises(FlexjaxError, match=None) as e:
+      run(RunConfig(**{**kw, **change}))
+    assert needle in str(e.value) and '\n' not in str(e.value), (change, str(e.value))
+  assert not (tmp_path / 'out.jsonl').exists()
+
+
+def test_a_finished_or_foreign_output_is_never_overwritten(pre_ln, tmp_path):
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(3))
+  run_job(pre_ln.ckpt_dir, tmp_path, rows)
+  before = (tmp_path / 'out.jsonl').read_bytes()
+  with pytest.raises(FlexjaxError, match='already exists; remove it or choose another'):
+    run_job(pre_ln.ckpt_dir, tmp_path, rows)
+  # an interrupted run of another job (other input) in the way
+  (tmp_path / 'out.jsonl.progress').write_text(json.dumps(
+      {'format': job_lib.FORMAT, 'job': 'other', 'policy': None, 'bytes': 0, 'rows': 0,
+       'done': []}))
+  with pytest.raises(FlexjaxError, match='interrupted run of another job'):
+    run_job(pre_ln.ckpt_dir, tmp_path, rows)
+  assert (tmp_path / 'out.jsonl').read_bytes() == before
+
+
+# ---- kill -9 -------------------------------------------------------------------------------------
+def job_command(ckpt, rows: Path, out: Path) -> list[str]:
+  return [sys.executable, '-m', 'flexjax.main', '--weights=checkpoint', f'--checkpoint={ckpt}',
+          f'--input={rows}', f'--output={out}', '--gpu_batch_size=2', '--noprogress']
+
+
+def run_killed(cmd: list[str], out: Path, after_lines: int | None) -> bool:
+  """Starts the job and kill -9s it once the output has after_lines lines (None: as soon as its
+  progress file exists). Returns whether it was killed before finishing."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+  marker = out.with_name(out.name + '.progress')
+  deadline = time.time() + 240
+  while proc.poll() is None and time.time() < deadline:
+    lines = out.read_bytes().count(b'\n') if out.exists() else 0
+    if marker.exists() and (after_lines is None or lines >= after_lines):
+      proc.send_signal(signal.SIGKILL)
+      proc.wait()
+      return True
+    time.sleep(0.01)
+  _, err = proc.communicate(timeout=240)
+  assert proc.returncode == 0, err.decode()[-3000:]
+  return False
+
+
+def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(14, seed=3, sampled=True)
+                    + ['{"id": "broken"'])
+  reference = tmp_path / 'reference.jsonl'
+  assert not run_killed(job_command(pre_ln.ckpt_dir, rows, reference), reference, 10**9)
+  expected = reference.read_bytes()
+  assert expected.count(b'\n') == 15
+  out = tmp_path / 'out.jsonl'
+  cmd = job_command(pre_ln.ckpt_dir, rows, out)
+  kills = 0
+  for after in (None, 1, 6, 11):  # at start-up, after the bad rows, mid-job, near the end
+    kills += run_killed(cmd, out, after)
+    if out.exists():  # what a killed run left is whole lines only up to its progress record
+      state = json.loads(out.with_name('out.jsonl.progress').read_text())
+      assert expected.startswith(out.read_bytes()[:state['bytes']])
+  assert kills >= 2
+  # a write torn by the kill, after the last recorded block: cut off on resume
+  if out.with_name('out.jsonl.progress').exists():
+    with open(out, 'ab') as f:
+      f.write(b'{"id": "row-torn", "line"')
+  assert not run_killed(cmd, out, 10**9)
+  assert out.read_bytes() == expected  # no row lost, none twice, the same outputs in order
+  assert not out.with_name('out.jsonl.progress').exists()
+
+
+def test_derived_seeds_and_buckets():
+  assert job_lib.derived_seed(0, 'a') == job_lib.derived_seed(0, 'a')
+  assert job_lib.derived_seed(0, 'a') != job_lib.derived_seed(1, 'a')
+  assert [job_lib.bucket_length(n) for n in (1, 8, 9, 64, 65, 100, 129, 1000)] == [
+      8, 8, 16, 64, 72, 104, 144, 1024]
+  assert all(n <= job_lib.bucket_length(n) <= 1.125 * n + 8 for n in range(1, 3000))
+  rows = [job_lib.Row(i, i, (2,) * n, 4, (), 0.0, 1.0, 0) for i, n in enumerate((60, 3, 61))]
+  blocks = job_lib.plan_blocks(rows, 2, bucket=True, max_positions=64)
+  # buckets that would pass the model's 64 positions shrink back to the rows' own lengths
+  assert [(len(b.rows), b.pad_to, b.gen_len) for b in blocks] == [(2, 61, 4), (1, 61, 4)]
+  short = [job_lib.Row(i, i, (2,) * n, 3, (), 0.0, 1.0, 0) for i, n in enumerate((5, 9, 4))]
+  assert [(b.pad_to, b.gen_len) for b in job_lib.plan_blocks(
+      short, 2, bucket=True, max_positions=64)] == [(8, 8), (16, 8)]
+  assert [(b.pad_to, b.gen_len) for b in job_lib.plan_blocks(
+      short, 2, bucket=False, max_positions=64)] == [(9, 3), (9, 3)]
