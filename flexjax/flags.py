@@ -151,6 +151,7 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
 
 
 def quiet_library_logs(fv: flags.FlagValues = flags.FLAGS) -> None:
-  """Hides libraries' INFO logs (orbax, jax) unless the user set --verbosity."""
+  """Hides libraries' INFO and WARNING logs (orbax, jax) unless the user set --verbosity: what
+  goes wrong reaches the user as flexjax's own one-line error."""
   if not fv['verbosity'].present:
-    absl_logging.set_verbosity(absl_logging.WARNING)
+    absl_logging.set_verbosity(absl_logging.ERROR)

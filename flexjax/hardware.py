@@ -70,6 +70,9 @@ class HardwareProfile:
     except FileNotFoundError:
       raise FlexjaxError(f'hardware profile {str(path)!r} does not exist; measure one with '
                          '`python -m tools.profile_hw --output=...`') from None
+    except IsADirectoryError:
+      raise FlexjaxError(f'hardware profile {str(path)!r} is a folder; give its JSON file '
+                         '(tools/profile_hw.py writes one)') from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
       raise FlexjaxError(f'hardware profile {str(path)!r} is not valid ({e}); measure it '
                          'again') from None

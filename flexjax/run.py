@@ -91,10 +91,9 @@ def synthetic_prompts(cfg: config_lib.ModelConfig, num: int, length: int, seed: 
 
 def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | None):
   """Reads prompts from .txt (one per line) or .jsonl ({"prompt": ...} or {"tokens": [...]})."""
+  from flexjax.job import read_text
   p = Path(path)
-  if not p.is_file():
-    raise FlexjaxError(f'--prompt_file={path!r} does not exist')
-  lines = [line for line in p.read_text().splitlines() if line.strip()]
+  lines = [line for line in read_text(path, 'prompt_file').splitlines() if line.strip()]
   if not lines:
     raise FlexjaxError(f'--prompt_file={path!r} holds no prompts')
   texts, prompts = [], []

@@ -128,6 +128,42 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
   _one_line_error(run_cli('--gpu_mem=0.001'), 'on the device', 'short by')
 
 
+def test_inputs_of_the_wrong_kind_are_one_line_errors(pre_ln, tmp_path):
+  binary = tmp_path / 'prompts.txt'
+  binary.write_bytes(b'Paris is\n\xff\xfe nonsense\n')
+  ckpt = (f'--checkpoint={pre_ln.ckpt_dir}', '--weights=checkpoint')
+  _one_line_error(run_cli(*ckpt, f'--prompt_file={binary}'), str(binary), 'not UTF-8',
+                  'line 2')
+  _one_line_error(run_cli(*ckpt, f'--prompt_file={tmp_path}'), str(tmp_path), 'is a folder')
+  _one_line_error(run_cli(*ckpt, f'--output={tmp_path}'), 'is a folder')
+  _one_line_error(run_cli(*ckpt, f'--output={tmp_path / "missing" / "out.jsonl"}'),
+                  'does not exist; create it')
+  _one_line_error(run_cli(*ckpt, f'--report_json={tmp_path}'), '--report_json', 'is a folder')
+  _one_line_error(run_cli('--weights=checkpoint', f'--checkpoint={binary}'), 'is a file')
+  _one_line_error(run_cli(f'--hw_profile={tmp_path}', '--dry_run'), 'is a folder')
+  _one_line_error(run_cli(f'--offload_dir={binary}'), '--offload_dir', 'is a file')
+  readonly = tmp_path / 'readonly'
+  readonly.mkdir(mode=0o500)
+  if not os.access(readonly, os.W_OK):  # root writes anywhere: then there is nothing to refuse
+    _one_line_error(run_cli(*ckpt, f'--output={readonly / "out.jsonl"}'), 'cannot be written')
+
+
+def test_a_damaged_checkpoint_is_one_line_with_nothing_after_it(pre_ln, tmp_path):
+  """Damaged weight data, read while the streaming layout is written (every read of the stage
+  is waited for, so nothing prints at exit)."""
+  import shutil
+  damaged = tmp_path / 'damaged'
+  shutil.copytree(pre_ln.ckpt_dir, damaged)
+  for f in (damaged / 'layer_001').rglob('*'):
+    if f.is_file() and f.parent.name == 'd' and f.parent.parent.name.startswith('ocdbt'):
+      f.write_bytes(f.read_bytes()[:20])
+  for _ in range(3):  # stray reads finished at random times; a few runs catch them
+    _one_line_error(run_cli('--weights=checkpoint', f'--checkpoint={damaged}',
+                            '--w_gpu_percent=0', '--w_cpu_percent=0', '--prompt_len=4',
+                            '--gen_len=2', f'--weights_cache={tmp_path / "cache"}'),
+                    'layer_001', 'unreadable', 'convert the checkpoint again')
+
+
 def test_auto_policy_dry_run_prints_the_choice_and_prediction(tmp_path):
   _, report = run_report(tmp_path, f'--flagfile={REPO / "configs/opt30b.flags"}',
                          '--hw_profile=paper-t4', '--gpu_mem=15', '--cpu_mem=200',
