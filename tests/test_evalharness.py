@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip('lm_eval')
+lm_eval = pytest.importorskip('lm_eval')
 
-import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
