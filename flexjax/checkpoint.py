@@ -97,7 +97,7 @@ class Checkpoint:
   """A complete checkpoint on disk; reads one stage at a time as host numpy arrays."""
 
   def __init__(self, path: str | os.PathLike):
-    self.path = Path(path)
+    self.path = Path(path).absolute()  # orbax reads relative paths as missing
     if not self.path.is_dir():
       raise FlexjaxError(f'checkpoint {str(path)!r} does not exist; convert one with '
                          '`python -m tools.convert_hf --hf_dir=... --output=...` or use '

@@ -3,8 +3,10 @@
 import json
 import re
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,25 @@ def test_flagfile_parses_into_a_run_config(flagfile):
   rc = flags_lib.run_config_from_flags(parse(f'--flagfile={flagfile}'))
   assert preset(rc.model).name == rc.model
   assert rc.generation.gen_len > 0 and rc.prompt_len > 0
+
+
+@pytest.mark.parametrize('flagfile', FLAGFILES, ids=lambda p: p.name)
+def test_every_flagfile_fits_this_machine_as_shipped(flagfile):
+  """--dry_run of each flagfile plans within the detected RAM and disk (the 2-core profile
+  stands in for measuring this machine). OPT-175B alone may not fit: its 4-bit weights need
+  more disk than a small machine has, and the refusal must say so in one line."""
+  from flexjax.run import run
+  fv = parse(f'--flagfile={flagfile}', '--dry_run', '--noprogress',
+             f'--hw_profile={REPO / "configs/hw/cpu-2core.json"}')
+  try:
+    report = run(flags_lib.run_config_from_flags(fv))
+  except FlexjaxError as e:
+    assert flagfile.name == 'opt175b.flags', str(e)
+    need = float(re.search(r'needs ([\d.]+) GiB on the disk', str(e)).group(1))
+    assert need * 2**30 > shutil.disk_usage(tempfile.gettempdir()).free and '\n' not in str(e)
+    return
+  assert report['fits'] is True, report.get('does_not_fit')
+  assert report['planned_ram_peak_bytes'] <= report['ram_budget_bytes']
 
 
 @pytest.mark.parametrize('args,message', [

@@ -1,0 +1,154 @@
+"""Every command in README.md runs: as written, or on a tiny model / with --dry_run where the
+real one is too big for a test (each such change is listed in RUNS below). A command the table
+does not know fails the test, so a new README command comes with its check."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / 'README.md').read_text()
+CPU_PROFILE = str(REPO / 'configs' / 'hw' / 'cpu-2core.json')
+# The set-up commands: what .ci/run does on a fresh machine (checked against it below).
+SET_UP = ('python3 -m venv', '. .venv/bin/activate', 'pip install', 'python -m pytest')
+
+
+def code_blocks(language: str) -> list[str]:
+  return re.findall(rf'```{language}\n(.*?)```', README, flags=re.S)
+
+
+def commands() -> list[list[str]]:
+  """The README's shell commands as argv lists (continuations joined, comments dropped, `&&`
+  chains split)."""
+  out = []
+  for block in code_blocks('bash'):
+    for line in block.replace('\\\n', ' ').splitlines():
+      words = shlex.split(line, comments=True)
+      while words:
+        end = words.index('&&') if '&&' in words else len(words)
+        out.append(words[:end])
+        words = words[end + 1:]
+  return out
+
+
+def is_set_up(argv: list[str]) -> bool:
+  return ' '.join(argv).startswith(SET_UP)
+
+
+def _key(argv: list[str]) -> str:
+  """Which README command this is: its module and the flag that tells it apart."""
+  module = argv[2] if argv[:2] == ['python', '-m'] else argv[0]
+  for flag in ('--hf_dir', '--model_args', '--render', '--plot', '--folder', '--flagfile',
+               '--prompt_file', '--input', '--dry_run', '--model=', '--output='):
+    if any(a.startswith(flag) for a in argv):
+      return f'{module} {flag.rstrip("=")}'
+  return module
+
+
+# README command -> how the test runs it: 'as is', or what it changes and why.
+RUNS = {
+    'flexjax.main --flagfile': 'as is',
+    'tools.convert_hf --hf_dir': 'a tiny random OPT instead of /data/opt-1.3b',
+    'flexjax.main --prompt_file': 'the tiny checkpoint, 8 new tokens (it has 64 positions)',
+    'flexjax.main --input': "the tiny checkpoint, the README's rows, 16 new tokens, the 2-core "
+                            'profile',
+    'flexjax.evalharness --model_args': 'the tiny checkpoint, a local task instead of downloads',
+    'flexjax.main --model': '--dry_run (OPT-6.7B), which must fit',
+    'tools.suite --dry_run': 'as is',
+    'tools.suite --output': '--dry_run (a benchmark run takes many minutes)',
+    'tools.suite --render': 'as is',
+    'tools.suite --plot': 'the PNG written to a temporary folder',
+    'tools.roofline --folder': 'as is',
+}
+
+
+def test_every_readme_command_is_known_and_ci_runs_the_set_up():
+  keys = [_key(argv) for argv in commands() if not is_set_up(argv)]
+  assert sorted(set(keys)) == sorted(RUNS), 'a README command has no check in RUNS'
+  assert len(keys) == len(set(keys))
+  ci = (REPO / '.ci' / 'run').read_text()
+  assert 'python -m pytest' in ci and "-e '.[test]'" in ci
+  set_up = [' '.join(argv) for argv in commands() if is_set_up(argv)]
+  assert any(s.startswith('python -m pytest') for s in set_up)
+
+
+def _run(argv: list[str], tmp_path: Path, env_extra: dict | None = None):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', FLEXJAX_CACHE=str(tmp_path / 'cache'),
+             HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', **(env_extra or {}))
+  argv = [sys.executable if argv[0] == 'python' else argv[0], *argv[1:]]
+  proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+  return proc
+
+
+def _sub(argv: list[str], **subs: str) -> list[str]:
+  out = []
+  for word in argv:
+    for old, new in subs.items():
+      word = word.replace(old, new)
+    out.append(word)
+  return out
+
+
+@pytest.fixture
+def workdir(tmp_path):
+  """A folder like the repository's root: its configs and docs, nothing written back."""
+  for name in ('configs', 'docs', 'tools', 'flexjax'):
+    (tmp_path / name).symlink_to(REPO / name)
+  return tmp_path
+
+
+def by_key(key: str) -> list[str]:
+  return next(argv for argv in commands() if not is_set_up(argv) and _key(argv) == key)
+
+
+def test_the_default_job_and_the_tools_run_as_written(workdir):
+  proc = _run(by_key('flexjax.main --flagfile'), workdir)
+  assert 'total_tok_s' in proc.stdout and 'opt-125m' in proc.stdout
+  assert '| ' in _run(by_key('tools.suite --render'), workdir).stdout
+  assert 'disk read' in _run(by_key('tools.roofline --folder'), workdir).stdout
+  for key in ('tools.suite --dry_run', 'tools.suite --output'):
+    argv = by_key(key) + ([] if '--dry_run' in by_key(key) else ['--dry_run'])
+    assert 'frontier-flexjax-4' in _run(argv, workdir).stdout
+  (workdir / 'plots').mkdir()
+  _run(_sub(by_key('tools.suite --plot'), **{'--plot_output=': '--plot_output=plots/'}), workdir)
+  assert (workdir / 'plots' / 'frontier.png').stat().st_size > 0
+
+
+def test_the_offload_example_fits_its_own_budgets(workdir):
+  proc = _run(by_key('flexjax.main --model') + ['--dry_run'], workdir)
+  assert re.search(r'^\s*fits: True$', proc.stdout, flags=re.M), proc.stdout
+
+
+def test_the_checkpoint_examples_run_on_a_tiny_model(pre_ln, workdir):
+  subs = {'/data/opt-1.3b': str(pre_ln.hf_dir)}
+  _run(_sub(by_key('tools.convert_hf --hf_dir'), **subs), workdir)
+  assert (workdir / 'checkpoints' / 'opt-1.3b' / 'flexjax.json').is_file()
+  (workdir / 'prompts.txt').write_text('Paris is the capital\nThe quick brown fox\n')
+  _run(_sub(by_key('flexjax.main --prompt_file'), **{'--gen_len=64': '--gen_len=8'}), workdir)
+  assert len((workdir / 'generations.jsonl').read_text().splitlines()) == 2
+  (workdir / 'rows.jsonl').write_text(code_blocks('jsonl')[0])
+  _run(_sub(by_key('flexjax.main --input'), **{'--gen_len=32': '--gen_len=16'})
+       + [f'--hw_profile={CPU_PROFILE}'], workdir)
+  lines = (workdir / 'out.jsonl').read_text().splitlines()
+  assert len(lines) == 3 and all('"error": null' in line for line in lines)
+  python = code_blocks('python')[0].replace('print(', 'print("GENERATED", ')
+  proc = _run(['python', '-c', python], workdir)
+  assert 'GENERATED' in proc.stdout
+  pytest.importorskip('lm_eval')
+  from test_evalharness import write_tasks
+  tasks = workdir / 'tasks'
+  tasks.mkdir()
+  write_tasks(tasks)
+  argv = _sub(by_key('flexjax.evalharness --model_args'),
+              **{'lambada_openai,hellaswag': 'fj_choice'})
+  proc = _run(argv + ['--include_path', str(tasks), '--limit', '2'], workdir)
+  assert 'fj_choice' in proc.stdout and 'acc' in proc.stdout
