@@ -146,11 +146,11 @@ class Engine:
     self.config: ModelConfig = weights.config
     self.policy = policy
     self.weight_dtype = weights.dtype
-    self.device = device or jax.devices()[0]
+    self.device = device or jax.local_devices()[0]
     compute_dtype = compute_dtype or hardware.default_compute_dtype(self.device.platform)
     self.compute_dtype = compute_dtype
     self.cache_dtype = cache_dtype or compute_dtype
-    self.cpu = hardware.cpu_device()
+    self.cpu = planner.cpu if planner is not None else hardware.cpu_device()
     self.budgets = dict(budgets or {})
     self.planner = planner or plan_lib.Planner(
         self.config, storage_dtype=self.weight_dtype, compute_dtype=compute_dtype,

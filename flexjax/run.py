@@ -229,12 +229,15 @@ def check_paths(rc: RunConfig) -> None:
                        '(tools/convert_hf.py writes one)')
 
 
-def setup(rc: RunConfig) -> Setup:
+def setup(rc: RunConfig, wrap=None) -> Setup:
+  """wrap: a function of the weight source giving the source to run (a pipeline stage's)."""
   import jax
 
   hardware.include_cpu_platform()  # before jax's first backend use (when run is the first)
   source, tokenizer = load_weights(rc)
-  device = jax.devices()[0]
+  if wrap is not None:
+    source = wrap(source)
+  device = jax.local_devices()[0]  # this process's own (a distributed run lists all of them)
   compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
   watch = MemoryWatch.start(device)  # the idle process, before anything is planned
   budgets = detected_budgets(rc, device)
@@ -243,7 +246,7 @@ def setup(rc: RunConfig) -> Setup:
   planner = plan_lib.Planner(
       source.config, storage_dtype=source.dtype, compute_dtype=compute_dtype,
       cache_dtype=rc.cache_dtype or compute_dtype, device=device,
-      cpu=hardware.cpu_device(),
+      cpu=jax.local_devices(backend='cpu')[0],
       overhead=hardware.runtime_overhead(device.platform,
                                          profile if profile and profile.name.startswith(
                                              device.platform) else None))

@@ -1,0 +1,201 @@
+"""Pipelined generation over processes: python -m flexjax.launch --num_processes=N <flags>.
+
+Locally (no --process_id) it starts N processes on this machine, coordinator on a free localhost
+port, one pipeline stage each (flexjax.pipeline); stage 0 prints the report. A watchdog stops
+every other stage once one exits with an error and names it in one line. On several hosts,
+start one process per host with --coordinator=host:port --num_processes=N --process_id=i.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from flexjax import flags as flags_lib
+from flexjax import hardware
+from flexjax.errors import FlexjaxError
+
+_GRACE_S = 5  # a stage told to stop gets this long before it is killed
+
+
+def define_launch_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
+  f = dict(flag_values=fv)
+  flags.DEFINE_integer('num_processes', 1, 'Pipeline stages: processes, one device each.',
+                       lower_bound=1, **f)
+  flags.DEFINE_integer('process_id', None, 'This process\'s stage (multi-host; unset: start '
+                       'every stage on this machine).', lower_bound=0, **f)
+  flags.DEFINE_string('coordinator', None, 'host:port of process 0\'s coordinator (multi-host).',
+                      **f)
+  flags.DEFINE_integer('stage_timeout', 60, 'Seconds a stage waits for the others to start, '
+                       'and for a silent one before it gives up.', lower_bound=5, **f)
+
+
+def main(argv) -> int:
+  if len(argv) > 1:
+    print(f'flexjax: error: unexpected arguments {argv[1:]}; every option is a --flag',
+          file=sys.stderr)
+    return 2
+  fv = flags.FLAGS
+  flags_lib.quiet_library_logs()
+  if fv.process_id is None:
+    if fv.coordinator:
+      print('flexjax: error: --coordinator needs --process_id (one process per host); leave '
+            'both out to start every stage on this machine', file=sys.stderr)
+      return 2
+    try:
+      _check_stages(fv.num_processes)
+    except FlexjaxError as e:
+      print(f'flexjax: error: {e}', file=sys.stderr)
+      return 2
+    return launch_local(fv.num_processes, _passed_flags(sys.argv[1:]), fv.stage_timeout)
+  if fv.process_id >= fv.num_processes or not fv.coordinator:
+    print(f'flexjax: error: --process_id={fv.process_id} needs --coordinator=host:port and '
+          f'must be below --num_processes={fv.num_processes}', file=sys.stderr)
+    return 2
+  return run_stage_process(fv)
+
+
+def _check_stages(n: int) -> None:
+  """The flags and the split of the model over n stages, before any stage starts."""
+  from flexjax import pipeline
+  from flexjax import run as run_lib
+  rc = flags_lib.run_config_from_flags()
+  run_lib.check_paths(rc)
+  source, _ = run_lib.load_weights(rc)
+  pipeline.split_layers(source.config, n)
+
+
+def run_stage_process(fv) -> int:
+  """One stage: joins the distributed runtime, runs, and (process 0) prints the report."""
+  import jax
+  from flexjax import pipeline
+  from flexjax.job import check_output, write_atomically
+  from flexjax.main import table
+  hardware.include_cpu_platform()
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  try:
+    rc = flags_lib.run_config_from_flags()
+    if fv.report_json:
+      check_output(fv.report_json, 'report_json')
+    jax.distributed.initialize(coordinator_address=fv.coordinator,
+                               num_processes=fv.num_processes, process_id=fv.process_id,
+                               initialization_timeout=fv.stage_timeout,
+                               heartbeat_timeout_seconds=fv.stage_timeout // 2,
+                               shutdown_timeout_seconds=fv.stage_timeout)
+    report = pipeline.run_stage(rc, fv.num_processes, fv.process_id)
+  except FlexjaxError as e:
+    print(f'flexjax: error: {e}', file=sys.stderr, flush=True)
+    os._exit(2)  # without jax's shutdown barrier, which would wait for the other stages
+  if report is not None:
+    print(table(report), flush=True)
+    if fv.report_json:
+      write_atomically(fv.report_json, json.dumps(report, indent=1) + '\n')
+  return 0
+
+
+def _passed_flags(args: list[str]) -> list[str]:
+  """The command line's flags for the stages, less those the launcher sets per stage."""
+  own = ('--num_processes', '--process_id', '--coordinator')
+  return [a for a in args if not a.startswith(own)]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def launch_local(n: int, args: list[str], timeout: int) -> int:
+  """Starts n stages on this machine and waits for them; once one fails, stops the rest."""
+  port = _free_port()
+  logs, procs = [], []
+  try:
+    for i in range(n):
+      logs.append(tempfile.TemporaryFile('w+'))
+      procs.append(subprocess.Popen(
+          [sys.executable, '-m', 'flexjax.launch', *args, f'--num_processes={n}',
+           f'--process_id={i}', f'--coordinator=127.0.0.1:{port}',
+           f'--stage_timeout={timeout}'],
+          stdout=None if i == 0 else subprocess.DEVNULL, stderr=logs[i]))
+    failed = None
+    while failed is None and any(p.poll() is None for p in procs):
+      failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      time.sleep(0.1)
+    if failed is None:
+      failed = next((i for i, p in enumerate(procs) if p.returncode), None)
+    if failed is None:
+      _forward(logs[0])
+      return 0
+    _stop(procs)
+    code = procs[failed].returncode
+    reason = _last_error(logs[failed]) or (
+        f'killed by signal {-code}' if code < 0 else f'exit code {code}')
+    print(f'flexjax: error: pipeline stage {failed} of {n} failed: {reason}; the other stages '
+          'were stopped', file=sys.stderr)
+    return 2 if code == 2 else 1
+  except KeyboardInterrupt:
+    _stop(procs)
+    return 130
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+    for log in logs:
+      log.close()
+
+
+def _stop(procs) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + _GRACE_S
+  for p in procs:
+    try:
+      p.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+
+
+def _lines(log) -> list[str]:
+  log.seek(0)
+  return [line.rstrip('\n') for line in log.read().splitlines() if line.strip()]
+
+
+def _last_error(log) -> str | None:
+  """A stage's own one-line error, else its last line of output."""
+  lines = _lines(log)
+  errors = [line for line in lines if line.startswith('flexjax: error: ')]
+  if errors:
+    return errors[-1][len('flexjax: error: '):]
+  return lines[-1].strip() if lines else None
+
+
+def _forward(log) -> None:
+  """Stage 0's messages of its own (not the collectives' connection chatter)."""
+  for line in _lines(log):
+    if line.startswith('flexjax'):
+      print(line, file=sys.stderr)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+  del frame
+  sys.exit(128 + signum)
+
+
+def entry() -> None:
+  signal.signal(signal.SIGTERM, _exit_on_sigterm)
+  flags_lib.define_flags()
+  define_launch_flags()
+  app.run(main)
+
+
+if __name__ == '__main__':
+  entry()

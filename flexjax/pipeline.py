@@ -1,0 +1,387 @@
+"""Pipeline parallelism over processes (FlexGen section 4.4): the decoder layers are split into
+contiguous stages, one process (and one device) each, on jax.distributed. Each stage runs the
+single-device runtime (placement, mover, executor steps, its own plan and budgets) on its layers;
+micro-batches (the GPU batches of a block) stream through the stages, hidden states go from
+stage to stage with a `ppermute`, and the last stage's sampled tokens reach every stage with a
+`psum`, both under `shard_map` over a mesh of one device per process.
+
+The stages advance in ticks: in a tick each stage runs at most one micro-batch through all its
+layers, then every process joins the tick's one collective (multi-controller jax needs every
+process to issue the same collectives in the same order). Which stage runs which micro-batch in
+which tick is computed alike by every process (`tick_schedule`), so the collectives' shapes and
+the early stop at EOS agree everywhere without messages of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexjax import plan as plan_lib
+from flexjax.config import ModelConfig
+from flexjax.engine import Engine
+from flexjax.errors import FlexjaxError
+from flexjax.executor import Executor, new_batches
+from flexjax.model import params as params_lib
+from flexjax.mover import Clock, Mover
+from flexjax.schedule import Step
+
+_LAYER_PREFIX = 'layer_'
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """Where this process sits in the pipeline."""
+
+  num_processes: int
+  process_id: int
+  layers: range  # the decoder layers of this process's stage (global indices)
+
+  @property
+  def first(self) -> bool:
+    return self.process_id == 0
+
+  @property
+  def last(self) -> bool:
+    return self.process_id == self.num_processes - 1
+
+
+def split_layers(cfg: ModelConfig, num_stages: int) -> list[range]:
+  """Contiguous decoder layers per stage, each stage at least one, balanced by weight bytes (the
+  cost a stage streams and multiplies by): a decoder layer costs the same everywhere, and the
+  input embedding (first stage) and the tied LM head (last stage) each cost about the token
+  embedding, so those stages take fewer layers where that evens the largest stage's cost.
+  Among partitions of equal largest cost, the one with the fewest layers on the first stage."""
+  n = cfg.num_layers
+  if not 1 <= num_stages <= n:
+    raise FlexjaxError(f'--num_processes={num_stages} must lie in [1, {n}]: every pipeline '
+                       f'stage needs at least one of the {n} decoder layers of {cfg.name}')
+  layer = cfg.layer_weight_bytes(1)
+  edge = cfg.vocab_size * cfg.embed_dim + cfg.embedding_weight_bytes(1) // 2
+
+  def cost(stage: int, count: int) -> int:
+    return (count * layer + (edge if stage == 0 else 0)
+            + (edge if stage == num_stages - 1 else 0))
+
+  @functools.lru_cache(maxsize=None)
+  def best(stage: int, start: int) -> tuple[int, tuple[int, ...]]:
+    """(largest cost, layer counts) of stages stage.. over layers start.."""
+    left = num_stages - stage
+    if left == 1:
+      return cost(stage, n - start), (n - start,)
+    options = []
+    for count in range(1, n - start - left + 2):
+      rest, counts = best(stage + 1, start + count)
+      options.append((max(cost(stage, count), rest), (count, *counts)))
+    return min(options)
+
+  counts, start, out = best(0, 0)[1], 0, []
+  for count in counts:
+    out.append(range(start, start + count))
+    start += count
+  return out
+
+
+class StageWeights:
+  """A weight source holding one stage's layers: a model of len(layers) decoder layers whose
+  layer i is the source's layer layers.start + i (embedding and head as the source's)."""
+
+  def __init__(self, source, layers: range):
+    self.source, self.layers = source, layers
+    self.config = dataclasses.replace(source.config, num_layers=len(layers))
+    self.dtype = source.dtype
+
+  def read(self, stage: str) -> params_lib.HostParams:
+    return self.source.read(self._global(stage))
+
+  def _global(self, stage: str) -> str:
+    if stage.startswith(_LAYER_PREFIX):
+      return params_lib.layer_name(self.layers.start + int(stage[len(_LAYER_PREFIX):]))
+    return stage
+
+  def fingerprint(self) -> str:
+    return f'{self.source.fingerprint()}-layers{self.layers.start}-{self.layers.stop}'
+
+  def stream_folder(self, cache_dir: Path) -> Path:
+    folder = Path(self.source.stream_folder(cache_dir))
+    return folder.with_name(f'{folder.name}-layers{self.layers.start}-{self.layers.stop}')
+
+  def __getattr__(self, name):  # tokenizer_path and the like
+    return getattr(self.source, name)
+
+
+def tick_schedule(num_stages: int, num_tokens: int, num_batches: int) -> list[list[int]]:
+  """ticks[p][i]: the tick in which stage p runs item i = token * num_batches + batch.
+
+  A stage runs its items in order, one per tick; item i reaches stage p the tick after stage
+  p-1 ran it; the first stage embeds a decode token of a batch the tick after the last stage
+  sampled that batch's previous token."""
+  items = num_tokens * num_batches
+  ticks = [[0] * items for _ in range(num_stages)]
+  for i in range(items):
+    for p in range(num_stages):
+      ready = ticks[p][i - 1] + 1 if i else 0
+      if p:
+        ready = max(ready, ticks[p - 1][i] + 1)
+      elif i >= num_batches:
+        ready = max(ready, ticks[num_stages - 1][i - num_batches] + 1)
+      ticks[p][i] = ready
+  return ticks
+
+
+class Link:
+  """The collectives between the stages: a mesh of one device per process (in process order)."""
+
+  def __init__(self, num_processes: int):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    devices = sorted(jax.devices(), key=lambda d: d.process_index)
+    if len(devices) != num_processes or len({d.process_index for d in devices}) != num_processes:
+      raise FlexjaxError(f'a pipeline of {num_processes} stages needs one device per process; '
+                         f'jax sees {len(devices)} devices over the processes')
+    self.n = num_processes
+    self._warm: set = set()  # (shape, dtype) of the hidden-state exchanges compiled
+    self.mesh = Mesh(np.array(devices), ('stage',))
+    self.sharding = NamedSharding(self.mesh, PartitionSpec('stage'))
+    self.local = jax.local_devices()[0]
+    spec = PartitionSpec('stage')
+    perm = [(p, p + 1) for p in range(num_processes - 1)]
+
+    def exchange(hidden, tokens):
+      return jax.lax.ppermute(hidden, 'stage', perm), jax.lax.psum(tokens, 'stage')
+
+    def total(values):
+      return jax.lax.psum(values, 'stage')
+
+    shard_map = jax.shard_map
+    self._exchange = jax.jit(shard_map(exchange, mesh=self.mesh, in_specs=(spec, spec),
+                                       out_specs=(spec, spec)))
+    self._total = jax.jit(shard_map(total, mesh=self.mesh, in_specs=spec, out_specs=spec))
+
+  def _global(self, local: jax.Array) -> jax.Array:
+    local = jax.device_put(local, self.local)[None]
+    return jax.make_array_from_single_device_arrays((self.n, *local.shape[1:]), self.sharding,
+                                                    [local])
+
+  def warm_up(self, shape: tuple[int, ...], dtype) -> None:
+    """Compiles (by running it on zeros, on every process alike) the exchange of hidden
+    states of this shape, once."""
+    if (shape, str(dtype)) not in self._warm:
+      self._warm.add((shape, str(dtype)))
+      self.exchange(jnp.zeros(shape, dtype), np.zeros(shape[0], np.int32))
+
+  def exchange(self, hidden: jax.Array, tokens: np.ndarray) -> tuple[jax.Array, np.ndarray]:
+    """Sends `hidden` to the next stage and adds `tokens` over all stages (zeros but on the
+    sampling stage). Returns (the previous stage's hidden, the sum)."""
+    out, total = self._exchange(self._global(hidden), self._global(jnp.asarray(tokens)))
+    return (out.addressable_shards[0].data[0],
+            np.asarray(total.addressable_shards[0].data[0]))
+
+  def gather(self, values: list[int], process_id: int) -> np.ndarray:
+    """[num_processes, len(values)] of every process's non-negative ints below 2**61 (sent as
+    int32 pieces of 30 bits: jax computes in 32 bits by default)."""
+    values = np.asarray(values, np.int64)
+    rows = np.zeros((self.n, len(values), 3), np.int32)
+    for k in range(3):
+      rows[process_id, :, k] = (values >> (30 * k)) & (2**30 - 1)
+    total = np.asarray(self._total(self._global(jnp.asarray(rows)))
+                       .addressable_shards[0].data[0]).astype(np.int64)
+    return sum(total[..., k] << (30 * k) for k in range(3))
+
+
+class StageEngine(Engine):
+  """The engine of one pipeline stage: its weights are a StageWeights, and a block runs through
+  the tick schedule with the other stages (Engine.generate does the rest: padding, the plan and
+  its check against this stage's budgets, the warm-up compile, the report's numbers)."""
+
+  def __init__(self, weights: StageWeights, topology: Topology, link: Link, **kw):
+    super().__init__(weights, **kw)
+    self.topology, self.link = topology, link
+
+  def _run_block(self, policy, tokens, mask, real_rows, gen, *, seeds, limits, max_steps,
+                 return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
+    del read_ahead  # a stage loads each stage's weights when it runs them
+    mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
+                  clock=clock, stats=self.stats, stage_names=plan_lib.stage_names(self.config),
+                  device_is_host=self.planner.device_is_host)
+    executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
+    batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
+                          mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
+                          return_logits=return_logits, forced=forced, seeds=seeds,
+                          limits=limits)
+    mover.start()
+    try:
+      prefill_s, decode_s = self._ticks(executor, batches, gen, max_steps)
+    finally:
+      mover.stop()
+      for batch in batches:
+        batch.close()
+    generated = sum(batch.steps * batch.real_rows for batch in batches)
+    return dict(tokens=np.concatenate([batch.out for batch in batches]),
+                logits=(np.concatenate([batch.logits for batch in batches])
+                        if return_logits and self.topology.last else None),
+                prefill_s=prefill_s, decode_s=decode_s, generated=generated)
+
+  def _ticks(self, executor: Executor, batches, gen, max_steps: int) -> tuple[float, float]:
+    topo, m, nb = self.topology, self.topology.num_processes, len(batches)
+    p, n_local = topo.process_id, self.config.num_layers
+    stages = ([0] if topo.first else []) + list(range(1, n_local + 1)) + (
+        [n_local + 1] if topo.last else [])
+    ticks = tick_schedule(m, max_steps, nb)
+    runs = [{tick: i for i, tick in enumerate(row)} for row in ticks]  # per stage: tick -> item
+    b, s, h = batches[0].tokens.shape[0], batches[0].tokens.shape[1], self.config.hidden_size
+    received: dict[int, jax.Array] = {}
+    for length in (s, 1):  # the exchanges' compiles, before the clock starts
+      self.link.warm_up((b, length, h), self.steps.compute)
+    start = time.perf_counter()
+    prefill_s = None
+    for tick in range(ticks[m - 1][-1] + 1):
+      item = runs[p].get(tick)
+      if item is not None:
+        output = self._run_item(executor, batches, item, stages, received, gen)
+      senders = {q: runs[q][tick] for q in range(m) if tick in runs[q]}
+      sent = [i for q, i in senders.items() if q < m - 1]
+      sampled = senders.get(m - 1)
+      if not sent and sampled is None:
+        continue
+      length = s if any(i < nb for i in sent) else 1
+      hidden = jnp.zeros((b, length, h), self.steps.compute)
+      if item is not None and not topo.last:
+        hidden = output if output.shape[1] == length else jnp.pad(
+            output, ((0, 0), (0, length - output.shape[1]), (0, 0)))
+      tokens = np.zeros(b, np.int32)
+      if topo.last and sampled is not None:
+        token, k = divmod(sampled, nb)
+        tokens = batches[k].out[:, token].astype(np.int32)
+      got, tokens = self.link.exchange(hidden, tokens)
+      if p and p - 1 in senders:
+        i = senders[p - 1]
+        received[i] = got[:, :s if i < nb else 1]
+      if sampled is None:
+        continue
+      token, k = divmod(sampled, nb)
+      if not topo.last:
+        _take_tokens(batches[k], token, tokens, gen, self.config.eos_token_id)
+      if k == nb - 1:
+        if token == 0:
+          prefill_s = time.perf_counter() - start
+        if all(batch.finished[:batch.real_rows].all() for batch in batches):
+          break
+    total = time.perf_counter() - start
+    prefill_s = total if prefill_s is None else prefill_s
+    return prefill_s, total - prefill_s
+
+  def _run_item(self, executor: Executor, batches, item: int, stages: list[int],
+                received: dict, gen) -> jax.Array:
+    """Runs one micro-batch of one token through this process's stages; returns the output
+    of the last of them (hidden states, or logits on the last stage)."""
+    mover = executor.mover
+    token, k = divmod(item, len(batches))
+    batch = batches[k]
+    if not self.topology.first:
+      mover.begin_step_stores()
+      mover.store_hidden(batch.hidden, received.pop(item))
+    output = None
+    for stage in stages:
+      loaded = mover.load_weights(stage)
+      step = Step(token, stage, k)
+      inputs = mover.load_inputs(step, batch)
+      output, released = executor._compute(step, batch, loaded.params, inputs, gen)
+      if released is not None:
+        released.result()
+      jax.block_until_ready(output)
+      batch.hidden.wait()
+      mover.free_weights(loaded, [output])
+    s = batch.tokens.shape[1]
+    if token > 0:  # this stage's caches hold the token's slot: the next token attends to it
+      batch.cache_mask[:, s + token - 1] = True
+      batch.step_inputs = self.steps.step_inputs(batch.geometry, batch.cache_mask,
+                                                 slot=s + token)
+    return output
+
+
+def _take_tokens(batch, token: int, tokens: np.ndarray, gen, eos_token_id: int) -> None:
+  """What the sampling stage's head step records, from the tokens it sent."""
+  batch.out[:, token] = tokens
+  batch.steps = token + 1
+  if gen.stop_at_eos:
+    batch.finished |= batch.out[:, token] == eos_token_id
+  batch.finished |= batch.limits <= token + 1
+
+
+# ---- one stage of a pipelined run ---------------------------------------------------------------
+def run_stage(rc, num_processes: int, process_id: int) -> dict | None:
+  """Runs this process's stage of a generation job (jax.distributed is initialized). Returns
+  the report on process 0 (with every stage's planned and measured peaks), None elsewhere."""
+  from flexjax import run as run_lib
+  run_lib.check_paths(rc)
+  for given, what in ((rc.input, '--input jobs'), (rc.policy_mode == 'auto', '--policy=auto'),
+                      (rc.dry_run, '--dry_run')):
+    if given:
+      raise FlexjaxError(f'{what} do not run in a pipeline; give the policy flags, or run with '
+                         '--num_processes=1')
+  link = Link(num_processes)
+  ranges: list[range] = []
+  topology: Topology | None = None
+
+  def wrap(source):
+    nonlocal topology
+    ranges.extend(split_layers(source.config, num_processes))
+    topology = Topology(num_processes, process_id, ranges[process_id])
+    return StageWeights(source, topology.layers)
+
+  st = run_lib.setup(rc, wrap=wrap)
+  cfg = st.source.source.config  # the whole model's
+  if rc.prompt_file:
+    prompts, texts = run_lib.load_prompts(rc.prompt_file, cfg, st.tokenizer)
+    prompt_len = max(len(p) for p in prompts)
+  else:
+    prompt_len = rc.prompt_len
+    prompts = run_lib.synthetic_prompts(cfg, rc.num_prompts or rc.policy.block_size, prompt_len,
+                                        seed=rc.generation.seed)
+    texts = [None] * len(prompts)
+  total = prompt_len + rc.generation.gen_len - 1
+  if total > cfg.max_positions:
+    raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
+                       f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
+                       'shorten one of them')
+  _, head = run_lib.plan_report(rc, st, rc.policy, None, prompt_len=prompt_len,
+                                gen_len=rc.generation.gen_len)
+  with StageEngine(st.source, topology, link, policy=rc.policy,
+                   compute_dtype=st.compute_dtype, cache_dtype=rc.cache_dtype,
+                   device=st.device, budgets=st.budgets, planner=st.planner,
+                   offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
+                   weights_cache=rc.weights_cache, io_threads=rc.io_threads,
+                   progress=False) as engine:
+    result = engine.generate(prompts, rc.generation)
+  measured = st.watch.peaks()
+  tiers = ('device', 'host', 'disk', 'ram')
+  planned = result.planned_peak_bytes
+  mine = [planned.get(tier) if planned.get(tier) is not None else -1 for tier in tiers]
+  mine += [measured['rss'], measured.get('device', -1)]
+  every = link.gather([v + 1 for v in mine], process_id) - 1  # -1: none
+  if process_id:
+    return None
+  if rc.output:
+    run_lib.write_outputs(rc.output, prompts, texts, result, st.tokenizer)
+  report = {**head, **run_lib.report(rc, engine, result, measured)}
+  report['model'] = cfg.name
+  report['pipeline_stages'] = num_processes
+  for q, (layers, row) in enumerate(zip(ranges, every)):
+    parts = (['embed'] if q == 0 else []) + [f'layers {layers.start}-{layers.stop - 1}'] + (
+        ['head'] if q == num_processes - 1 else [])
+    stage = {'holds': ' + '.join(parts)}
+    stage.update({f'planned_{tier}_peak_bytes': int(v)
+                  for tier, v in zip(tiers, row[:4]) if v >= 0})
+    if st.device.platform == 'cpu':
+      stage['measured_ram_peak_bytes'] = int(row[4])
+    else:
+      stage['measured_host_peak_bytes'] = int(row[4])
+      stage['measured_device_peak_bytes'] = int(row[5])
+    report[f'stage{q}'] = stage
+  return report

@@ -1,0 +1,156 @@
+"""Pipeline parallelism over local processes on jax.distributed: tokens equal a single process's,
+layers split by cost, and a dead stage stops the others with one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS, TINY_SHAPES, make_hf_model
+from flexjax import config as config_lib
+from flexjax.checkpoint import Checkpoint
+from flexjax.engine import Engine, GenerationConfig
+from flexjax.errors import FlexjaxError
+from flexjax.hf_import import convert
+from flexjax.pipeline import split_layers, tick_schedule
+from flexjax.policy import Policy
+
+ROOT = Path(__file__).resolve().parents[1]
+OFFLOADED = ['--w_gpu_percent=0', '--w_cpu_percent=50', '--cache_gpu_percent=0',
+             '--cache_cpu_percent=100']
+
+
+@pytest.fixture(scope='module')
+def four_layers(tmp_path_factory) -> Path:
+  """A tiny pre-LN OPT of four decoder layers (a layer or more for each of three stages)."""
+  root = tmp_path_factory.mktemp('pipeline')
+  make_hf_model(dict(TINY_SHAPES['pre_ln'], num_hidden_layers=4)).save_pretrained(root / 'hf')
+  convert(root / 'hf', root / 'ckpt', dtype='float32', progress=False)
+  return root / 'ckpt'
+
+
+def launch(ckpt: Path, tmp_path: Path, n: int, *extra: str, gen_len: int = 6):
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text(''.join(json.dumps({'tokens': p}) + '\n' for p in PROMPTS))
+  out = tmp_path / f'out-{n}.jsonl'
+  report = tmp_path / f'report-{n}.json'
+  cmd = [sys.executable, '-m', 'flexjax.launch', f'--num_processes={n}', '--weights=checkpoint',
+         f'--checkpoint={ckpt}', f'--prompt_file={prompts}', f'--gen_len={gen_len}',
+         '--gpu_batch_size=2', '--num_gpu_batches=2', '--noprogress', f'--output={out}',
+         f'--report_json={report}', *extra]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  tokens = [json.loads(line)['output_tokens'] for line in out.read_text().splitlines()]
+  return tokens, json.loads(report.read_text())
+
+
+def single(ckpt: Path, policy: Policy, gen_len: int = 6):
+  with Engine(Checkpoint(ckpt), policy=policy) as engine:
+    result = engine.generate(PROMPTS, GenerationConfig(gen_len=gen_len))
+  return [seq.tolist() for seq in result.sequences]
+
+
+def test_two_stages_equal_one_process(four_layers, tmp_path):
+  tokens, report = launch(four_layers, tmp_path, 2)
+  assert tokens == single(four_layers, Policy(gpu_batch_size=2, num_gpu_batches=2))
+  assert report['pipeline_stages'] == 2
+  assert report['stage0']['holds'] == 'embed + layers 0-1'
+  assert report['stage1']['holds'] == 'layers 2-3 + head'
+  for stage in ('stage0', 'stage1'):
+    assert report[stage]['planned_ram_peak_bytes'] > 0
+    assert report[stage]['measured_ram_peak_bytes'] > 0
+
+
+def test_three_stages_offloaded_equal_one_process(four_layers, tmp_path):
+  tokens, report = launch(four_layers, tmp_path, 3, *OFFLOADED)
+  policy = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=50,
+                  cache_gpu_percent=0, cache_cpu_percent=100)
+  assert tokens == single(four_layers, policy)
+  assert [report[f'stage{q}']['holds'] for q in range(3)] == [
+      'embed + layers 0-0', 'layers 1-2', 'layers 3-3 + head']
+  assert report['stage1']['planned_disk_peak_bytes'] > 0  # half the weights stream from disk
+
+
+def test_a_killed_stage_stops_the_others(four_layers, tmp_path):
+  cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--weights=checkpoint',
+         f'--checkpoint={four_layers}', '--prompt_len=8', '--gen_len=50', '--noprogress',
+         '--stop_at_eos=false', '--num_prompts=64', '--gpu_batch_size=1',
+         '--num_gpu_batches=4']
+  launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+  try:
+    stage1 = None
+    deadline = time.monotonic() + 60
+    while stage1 is None and time.monotonic() < deadline:
+      stage1 = next((pid for pid in _children(launcher.pid)
+                     if '--process_id=1' in _cmdline(pid)), None)
+      time.sleep(0.2)
+    assert stage1 is not None
+    time.sleep(4)  # starting, compiling or generating: any moment must do
+    os.kill(stage1, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = launcher.communicate(timeout=60)
+    assert time.monotonic() - killed < 60
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  assert launcher.returncode == 1
+  lines = err.strip().splitlines()
+  assert len(lines) == 1, err
+  assert lines[0].startswith('flexjax: error: pipeline stage 1 of 2 failed: killed by signal 9')
+
+
+def test_too_many_stages_is_one_line(four_layers, tmp_path):
+  cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=5', '--weights=checkpoint',
+         f'--checkpoint={four_layers}', '--prompt_len=4', '--gen_len=2', '--noprogress']
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.count('\n') == 1 and 'needs at least one of the 4 decoder layers' in (
+      proc.stderr), proc.stderr
+
+
+def test_split_layers_balances_embedding_and_head():
+  cfg = config_lib.preset('opt-30b')  # 48 layers; embedding ~ 0.14 of a layer
+  assert [len(r) for r in split_layers(cfg, 4)] == [12, 12, 12, 12]
+  tiny = config_lib.ModelConfig.from_hf_config(dict(
+      model_type='opt', hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=6,
+      vocab_size=1000, max_position_embeddings=64, word_embed_proj_dim=64))
+  split = split_layers(tiny, 3)  # the embedding weighs about a layer: the ends take fewer
+  assert [len(r) for r in split] == [1, 4, 1] or [len(r) for r in split] == [2, 2, 2]
+  assert [r.start for r in split] == sorted(r.start for r in split)
+  assert sum(len(r) for r in split) == 6
+  with pytest.raises(FlexjaxError, match='at least one'):
+    split_layers(tiny, 7)
+
+
+def test_tick_schedule_respects_dependencies():
+  m, tokens, nb = 3, 4, 2
+  ticks = tick_schedule(m, tokens, nb)
+  for p in range(m):
+    assert ticks[p] == sorted(set(ticks[p]))  # one item per tick, in order
+    for i in range(tokens * nb):
+      if p:
+        assert ticks[p][i] > ticks[p - 1][i]
+      elif i >= nb:
+        assert ticks[0][i] > ticks[m - 1][i - nb]
+  assert ticks[1][0] == 1 and ticks[0][nb] == ticks[m - 1][0] + 1
+
+
+def _children(pid: int) -> list[int]:
+  out = []
+  for task in Path(f'/proc/{pid}/task').iterdir():
+    out += [int(c) for c in (task / 'children').read_text().split()]
+  return out
+
+
+def _cmdline(pid: int) -> str:
+  try:
+    return Path(f'/proc/{pid}/cmdline').read_text().replace('\0', ' ')
+  except OSError:
+    return ''
