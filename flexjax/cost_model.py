@@ -80,7 +80,6 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   L, h = cfg.num_layers, cfg.hidden_size
   gbs, bls = policy.gpu_batch_size, policy.block_size
   s, n = prompt_len, gen_len
-  t = s + n - 1  # cache positions
   avg = s + n / 2  # average attended positions while decoding
   cpu_att = policy.cpu_attention
 

@@ -241,7 +241,7 @@ class Steps:
       {'embed', 'prefill', 'decode', 'head', 'cpu_attention', 'load', 'place'}: bytes of one
       call, where a step made of parts sums their outputs and takes their largest temporary.
     """
-    cfg, b, s, t = self.cfg, geom.rows, geom.prompt_len, geom.total_len
+    cfg, b, s = self.cfg, geom.rows, geom.prompt_len
     h, cdt = cfg.hidden_size, self.compute
     on = lambda tree: jax.tree.map(lambda a: _spec(a.shape, a.dtype, self.device), tree)
     spec = lambda shape, dtype: _spec(shape, dtype, self.device)

@@ -2,7 +2,6 @@
 (counted by jax's profiler: at most three in every placement, one where every cache row is on the
 device), and no compilation once the run is planned (the plan's compile is the warm-up)."""
 
-import dataclasses
 import tempfile
 from pathlib import Path
 
