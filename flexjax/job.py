@@ -26,8 +26,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import jax
 import numpy as np
 
+from flexjax import memwatch
 from flexjax import progress as progress_lib
 from flexjax.config import ModelConfig
 from flexjax.engine import Engine, GenerationConfig
@@ -384,7 +386,12 @@ def run_blocks(engine: Engine, blocks: Sequence[Block], output: JobOutput, *,
   with progress_lib.bar(sum(len(b.rows) for b in blocks), 'generating', unit='row',
                         show=show_progress) as bar:
     bar.update(sum(len(b.rows) for b in blocks if b.number in output.done))
+    shape = None
     for block in todo:
+      if shape is not None and (block.pad_to, block.gen_len) != shape:
+        # The plan counts one shape's executables: the last shape's go before the next compiles.
+        jax.clear_caches()
+      shape = (block.pad_to, block.gen_len)
       temperature, top_p = block.sampling
       gen = GenerationConfig(gen_len=block.gen_len, temperature=temperature, top_p=top_p,
                              stop_at_eos=stop_at_eos)
@@ -396,6 +403,7 @@ def run_blocks(engine: Engine, blocks: Sequence[Block], output: JobOutput, *,
       records = [_record(row, seq, tokenizer, eos)
                  for row, seq in zip(block.rows, result.sequences)]
       output.write_block(block.number, records)
+      memwatch.return_free_memory()  # the next block's buffers start from a trimmed heap
       tally.seconds += time.perf_counter() - start
       tally.rows += len(block.rows)
       tally.generated += result.generated_tokens

@@ -69,3 +69,16 @@ class MemoryWatch:
     if stats is not None:
       out['device'] = max(0, int(stats['peak_bytes_in_use']) - self.device_base)
     return out
+
+
+def return_free_memory() -> None:
+  """Hands memory the process has freed back to the system (glibc keeps freed blocks in its
+  arenas, so RSS would stay at the high-water mark of everything done so far)."""
+  import ctypes
+  import ctypes.util
+  name = ctypes.util.find_library('c')
+  if name:
+    try:
+      ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+      pass
