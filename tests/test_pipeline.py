@@ -145,7 +145,10 @@ def test_tick_schedule_respects_dependencies():
 def _children(pid: int) -> list[int]:
   out = []
   for task in Path(f'/proc/{pid}/task').iterdir():
-    out += [int(c) for c in (task / 'children').read_text().split()]
+    try:
+      out += [int(c) for c in (task / 'children').read_text().split()]
+    except OSError:  # a thread that ended while we looked
+      pass
   return out
 
 
