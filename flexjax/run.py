@@ -152,9 +152,9 @@ def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
     return hardware.HardwareProfile.load(cache)
   if not measure_if_missing:
     return None
-  print(f'measuring this machine for the cost model, once (about a minute: transfers, disk, '
-        f'matmul and attention rates); the profile is cached in {cache}', file=sys.stderr,
-        flush=True)
+  print(f'measuring this machine for the cost model, once (transfers, disk, matmul and '
+        f'attention rates: about 15 s on a 2-core CPU); the profile is cached in {cache}',
+        file=sys.stderr, flush=True)
   profile = hardware.measure(device, scratch_dir=scratch_dir,
                              progress=progress_lib.enabled(progress))
   profile.save(cache)
