@@ -309,7 +309,7 @@ class Engine:
                  max_steps, return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
     """Runs one block through the schedule. Returns its tokens, logits, timings."""
     mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
-                  read_ahead=read_ahead, clock=clock, stats=self.stats,
+                  read_ahead=read_ahead and self._reads_ahead, clock=clock, stats=self.stats,
                   stage_names=plan_lib.stage_names(self.config),
                   device_is_host=self.planner.device_is_host)
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
@@ -319,7 +319,7 @@ class Engine:
                           limits=limits)
     mover.start()
     try:
-      prefill_s, decode_s = executor.execute(batches, gen, max_steps)
+      prefill_s, decode_s = self._execute(executor, batches, gen, max_steps)
     finally:
       mover.stop()
       for batch in batches:
@@ -329,6 +329,12 @@ class Engine:
                 logits=(np.concatenate([batch.logits for batch in batches]) if return_logits
                         else None),
                 prefill_s=prefill_s, decode_s=decode_s, generated=generated)
+
+  _reads_ahead = True  # whether a block may read disk weights two stages ahead (plan permitting)
+
+  def _execute(self, executor: Executor, batches, gen, max_steps: int) -> tuple[float, float]:
+    """Runs a block's batches through the schedule: (prefill seconds, decode seconds)."""
+    return executor.execute(batches, gen, max_steps)
 
   # ---- helpers ----------------------------------------------------------------------------------
   def score(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:

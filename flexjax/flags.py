@@ -126,8 +126,6 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   if fv.input and fv.prompt_file:
     raise FlexjaxError(f'--input={fv.input!r} and --prompt_file={fv.prompt_file!r} are both '
                        'given; a job reads its prompts from --input alone: drop --prompt_file')
-  if fv.input and not fv.output:
-    raise FlexjaxError(f'--input={fv.input!r} needs --output=FILE.jsonl for the generations')
   if fv.weights == 'checkpoint' and not fv.checkpoint:
     raise FlexjaxError('--weights=checkpoint needs --checkpoint=PATH (a converted checkpoint)')
   if fv.weights == 'dummy' and fv.checkpoint:

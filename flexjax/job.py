@@ -470,7 +470,6 @@ def run_job(rc) -> dict[str, Any]:
   text = read_text(rc.input, 'input')
   if not rc.output:
     raise FlexjaxError(f'--input={rc.input!r} needs --output=FILE.jsonl for the generations')
-  check_output(rc.output)
   st = run_lib.setup(rc)
   cfg = st.cfg
   rows, bad = parse_rows(text, cfg, st.tokenizer, rc.generation)

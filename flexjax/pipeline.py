@@ -23,13 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.engine import Engine
 from flexjax.errors import FlexjaxError
-from flexjax.executor import Executor, new_batches
+from flexjax.executor import Executor
 from flexjax.model import params as params_lib
-from flexjax.mover import Clock, Mover
 from flexjax.schedule import Step
 
 _LAYER_PREFIX = 'layer_'
@@ -203,29 +201,10 @@ class StageEngine(Engine):
     super().__init__(weights, **kw)
     self.topology, self.link = topology, link
 
-  def _run_block(self, policy, tokens, mask, real_rows, gen, *, seeds, limits, max_steps,
-                 return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
-    del read_ahead  # a stage loads each stage's weights when it runs them
-    mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
-                  clock=clock, stats=self.stats, stage_names=plan_lib.stage_names(self.config),
-                  device_is_host=self.planner.device_is_host)
-    executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
-    batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
-                          mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
-                          return_logits=return_logits, forced=forced, seeds=seeds,
-                          limits=limits)
-    mover.start()
-    try:
-      prefill_s, decode_s = self._ticks(executor, batches, gen, max_steps)
-    finally:
-      mover.stop()
-      for batch in batches:
-        batch.close()
-    generated = sum(batch.steps * batch.real_rows for batch in batches)
-    return dict(tokens=np.concatenate([batch.out for batch in batches]),
-                logits=(np.concatenate([batch.logits for batch in batches])
-                        if return_logits and self.topology.last else None),
-                prefill_s=prefill_s, decode_s=decode_s, generated=generated)
+  _reads_ahead = False  # a stage loads each stage's weights when it runs them
+
+  def _execute(self, executor: Executor, batches, gen, max_steps: int) -> tuple[float, float]:
+    return self._ticks(executor, batches, gen, max_steps)
 
   def _ticks(self, executor: Executor, batches, gen, max_steps: int) -> tuple[float, float]:
     topo, m, nb = self.topology, self.topology.num_processes, len(batches)
