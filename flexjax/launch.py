@@ -23,6 +23,7 @@ from flexjax import hardware
 from flexjax.errors import FlexjaxError
 
 _GRACE_S = 5  # a stage told to stop gets this long before it is killed
+_BECAUSE_OF_OTHERS = 3  # a stage's exit code when it stops because another stage cannot run
 
 
 def define_launch_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
@@ -33,6 +34,9 @@ def define_launch_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                        'every stage on this machine).', lower_bound=0, **f)
   flags.DEFINE_string('coordinator', None, 'host:port of process 0\'s coordinator (multi-host).',
                       **f)
+  flags.DEFINE_integer('processes_per_host', 1, 'Stages on each host: they share its RAM and '
+                       'disk where --cpu_mem/--disk_mem are not given (a local launch sets it).',
+                       lower_bound=1, **f)
   flags.DEFINE_integer('stage_timeout', 60, 'Seconds a stage waits for the others to start, '
                        'and for a silent one before it gives up.', lower_bound=5, **f)
 
@@ -75,7 +79,7 @@ def _check_stages(n: int) -> None:
 def run_stage_process(fv) -> int:
   """One stage: joins the distributed runtime, runs, and (process 0) prints the report."""
   import jax
-  from flexjax import pipeline
+  from flexjax import stage_run
   from flexjax.job import check_output, write_atomically
   from flexjax.main import table
   hardware.include_cpu_platform()
@@ -89,10 +93,11 @@ def run_stage_process(fv) -> int:
                                initialization_timeout=fv.stage_timeout,
                                heartbeat_timeout_seconds=fv.stage_timeout // 2,
                                shutdown_timeout_seconds=fv.stage_timeout)
-    report = pipeline.run_stage(rc, fv.num_processes, fv.process_id)
+    report = stage_run.run_stage(rc, fv.num_processes, fv.process_id, fv.processes_per_host)
   except FlexjaxError as e:
     print(f'flexjax: error: {e}', file=sys.stderr, flush=True)
-    os._exit(2)  # without jax's shutdown barrier, which would wait for the other stages
+    # Without jax's shutdown barrier, which would wait for the other stages.
+    os._exit(_BECAUSE_OF_OTHERS if isinstance(e, stage_run.OtherStageFailed) else 2)
   if report is not None:
     print(table(report), flush=True)
     if fv.report_json:
@@ -102,7 +107,7 @@ def run_stage_process(fv) -> int:
 
 def _passed_flags(args: list[str]) -> list[str]:
   """The command line's flags for the stages, less those the launcher sets per stage."""
-  own = ('--num_processes', '--process_id', '--coordinator')
+  own = ('--num_processes', '--process_id', '--coordinator', '--processes_per_host')
   return [a for a in args if not a.startswith(own)]
 
 
@@ -122,7 +127,7 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
       procs.append(subprocess.Popen(
           [sys.executable, '-m', 'flexjax.launch', *args, f'--num_processes={n}',
            f'--process_id={i}', f'--coordinator=127.0.0.1:{port}',
-           f'--stage_timeout={timeout}'],
+           f'--processes_per_host={n}', f'--stage_timeout={timeout}'],
           stdout=None if i == 0 else subprocess.DEVNULL, stderr=logs[i]))
     failed = None
     while failed is None and any(p.poll() is None for p in procs):
@@ -133,6 +138,8 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
     if failed is None:
       _forward(logs[0])
       return 0
+    if procs[failed].returncode == _BECAUSE_OF_OTHERS:  # the stage that names the reason
+      failed = _own_failure(procs, failed)
     _stop(procs)
     code = procs[failed].returncode
     reason = _last_error(logs[failed]) or (
@@ -149,6 +156,16 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
         p.kill()
     for log in logs:
       log.close()
+
+
+def _own_failure(procs, failed: int) -> int:
+  """The stage that failed on its own, once every stage has exited (within the grace time),
+  else `failed`."""
+  deadline = time.monotonic() + _GRACE_S
+  while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return next((i for i, p in enumerate(procs)
+               if p.returncode not in (None, 0, _BECAUSE_OF_OTHERS)), failed)
 
 
 def _stop(procs) -> None:

@@ -201,7 +201,7 @@ class StageEngine(Engine):
     super().__init__(weights, **kw)
     self.topology, self.link = topology, link
 
-  _reads_ahead = False  # a stage loads each stage's weights when it runs them
+  _reads_ahead = False  # a stage's weights load one stage ahead (in _run_item), not two
 
   def _execute(self, executor: Executor, batches, gen, max_steps: int) -> tuple[float, float]:
     return self._ticks(executor, batches, gen, max_steps)
@@ -219,46 +219,61 @@ class StageEngine(Engine):
       self.link.warm_up((b, length, h), self.steps.compute)
     start = time.perf_counter()
     prefill_s = None
-    for tick in range(ticks[m - 1][-1] + 1):
-      item = runs[p].get(tick)
-      if item is not None:
-        output = self._run_item(executor, batches, item, stages, received, gen)
-      senders = {q: runs[q][tick] for q in range(m) if tick in runs[q]}
-      sent = [i for q, i in senders.items() if q < m - 1]
-      sampled = senders.get(m - 1)
-      if not sent and sampled is None:
-        continue
-      length = s if any(i < nb for i in sent) else 1
-      hidden = jnp.zeros((b, length, h), self.steps.compute)
-      if item is not None and not topo.last:
-        hidden = output if output.shape[1] == length else jnp.pad(
-            output, ((0, 0), (0, length - output.shape[1]), (0, 0)))
-      tokens = np.zeros(b, np.int32)
-      if topo.last and sampled is not None:
+    first = None  # this process's next item's first weights, loading
+    try:
+      for tick in range(ticks[m - 1][-1] + 1):
+        item = runs[p].get(tick)
+        if item is not None:
+          output, first = self._run_item(executor, batches, item, stages, received, gen,
+                                         first=first, more=item + 1 < len(ticks[p]))
+        senders = {q: runs[q][tick] for q in range(m) if tick in runs[q]}
+        sent = [i for q, i in senders.items() if q < m - 1]
+        sampled = senders.get(m - 1)
+        if not sent and sampled is None:
+          continue
+        length = s if any(i < nb for i in sent) else 1
+        hidden = jnp.zeros((b, length, h), self.steps.compute)
+        if item is not None and not topo.last:
+          hidden = output if output.shape[1] == length else jnp.pad(
+              output, ((0, 0), (0, length - output.shape[1]), (0, 0)))
+        tokens = np.zeros(b, np.int32)
+        if topo.last and sampled is not None:
+          token, k = divmod(sampled, nb)
+          tokens = batches[k].out[:, token].astype(np.int32)
+        got, tokens = self.link.exchange(hidden, tokens)
+        if p and p - 1 in senders:
+          i = senders[p - 1]
+          received[i] = got[:, :s if i < nb else 1]
+        if sampled is None:
+          continue
         token, k = divmod(sampled, nb)
-        tokens = batches[k].out[:, token].astype(np.int32)
-      got, tokens = self.link.exchange(hidden, tokens)
-      if p and p - 1 in senders:
-        i = senders[p - 1]
-        received[i] = got[:, :s if i < nb else 1]
-      if sampled is None:
-        continue
-      token, k = divmod(sampled, nb)
-      if not topo.last:
-        _take_tokens(batches[k], token, tokens, gen, self.config.eos_token_id)
-      if k == nb - 1:
-        if token == 0:
-          prefill_s = time.perf_counter() - start
-        if all(batch.finished[:batch.real_rows].all() for batch in batches):
-          break
+        if not topo.last:
+          _take_tokens(batches[k], token, tokens, gen, self.config.eos_token_id)
+        if k == nb - 1:
+          if token == 0:
+            prefill_s = time.perf_counter() - start
+          if all(batch.finished[:batch.real_rows].all() for batch in batches):
+            break
+    finally:
+      if first is not None:
+        executor.mover.free_weights(first.result())
     total = time.perf_counter() - start
     prefill_s = total if prefill_s is None else prefill_s
     return prefill_s, total - prefill_s
 
   def _run_item(self, executor: Executor, batches, item: int, stages: list[int],
-                received: dict, gen) -> jax.Array:
-    """Runs one micro-batch of one token through this process's stages; returns the output
-    of the last of them (hidden states, or logits on the last stage)."""
+                received: dict, gen, *, first, more: bool):
+    """Runs one micro-batch of one token through this process's stages, each stage's weights
+    loading (under overlap) while the one before computes.
+
+    Args:
+      first: a future of the first stage's loaded weights, or None to load them now.
+      more: whether this process runs another item after this one (its first stage's weights
+        then start loading while this item's last stage computes).
+    Returns:
+      (the last stage's output: hidden states, or logits on the last stage; the future of the
+      next item's first weights or None).
+    """
     mover = executor.mover
     token, k = divmod(item, len(batches))
     batch = batches[k]
@@ -266,8 +281,13 @@ class StageEngine(Engine):
       mover.begin_step_stores()
       mover.store_hidden(batch.hidden, received.pop(item))
     output = None
-    for stage in stages:
-      loaded = mover.load_weights(stage)
+    overlap = self.policy.overlap
+    weights = first or mover.workers['weights'].submit(mover.load_weights, stages[0])
+    for n, stage in enumerate(stages):
+      loaded = weights.result()
+      upcoming = stages[n + 1] if n + 1 < len(stages) else (stages[0] if more else None)
+      if overlap and upcoming is not None:  # loads while this stage computes
+        weights = mover.workers['weights'].submit(mover.load_weights, upcoming, output)
       step = Step(token, stage, k)
       inputs = mover.load_inputs(step, batch)
       output, released = executor._compute(step, batch, loaded.params, inputs, gen)
@@ -276,12 +296,14 @@ class StageEngine(Engine):
       jax.block_until_ready(output)
       batch.hidden.wait()
       mover.free_weights(loaded, [output])
+      if not overlap and n + 1 < len(stages):
+        weights = mover.workers['weights'].submit(mover.load_weights, stages[n + 1])
     s = batch.tokens.shape[1]
     if token > 0:  # this stage's caches hold the token's slot: the next token attends to it
       batch.cache_mask[:, s + token - 1] = True
       batch.step_inputs = self.steps.step_inputs(batch.geometry, batch.cache_mask,
                                                  slot=s + token)
-    return output
+    return output, (weights if overlap and more else None)
 
 
 def _take_tokens(batch, token: int, tokens: np.ndarray, gen, eos_token_id: int) -> None:
@@ -291,76 +313,3 @@ def _take_tokens(batch, token: int, tokens: np.ndarray, gen, eos_token_id: int) 
   if gen.stop_at_eos:
     batch.finished |= batch.out[:, token] == eos_token_id
   batch.finished |= batch.limits <= token + 1
-
-
-# ---- one stage of a pipelined run ---------------------------------------------------------------
-def run_stage(rc, num_processes: int, process_id: int) -> dict | None:
-  """Runs this process's stage of a generation job (jax.distributed is initialized). Returns
-  the report on process 0 (with every stage's planned and measured peaks), None elsewhere."""
-  from flexjax import run as run_lib
-  run_lib.check_paths(rc)
-  for given, what in ((rc.input, '--input jobs'), (rc.policy_mode == 'auto', '--policy=auto'),
-                      (rc.dry_run, '--dry_run')):
-    if given:
-      raise FlexjaxError(f'{what} do not run in a pipeline; give the policy flags, or run with '
-                         '--num_processes=1')
-  link = Link(num_processes)
-  ranges: list[range] = []
-  topology: Topology | None = None
-
-  def wrap(source):
-    nonlocal topology
-    ranges.extend(split_layers(source.config, num_processes))
-    topology = Topology(num_processes, process_id, ranges[process_id])
-    return StageWeights(source, topology.layers)
-
-  st = run_lib.setup(rc, wrap=wrap)
-  cfg = st.source.source.config  # the whole model's
-  if rc.prompt_file:
-    prompts, texts = run_lib.load_prompts(rc.prompt_file, cfg, st.tokenizer)
-    prompt_len = max(len(p) for p in prompts)
-  else:
-    prompt_len = rc.prompt_len
-    prompts = run_lib.synthetic_prompts(cfg, rc.num_prompts or rc.policy.block_size, prompt_len,
-                                        seed=rc.generation.seed)
-    texts = [None] * len(prompts)
-  total = prompt_len + rc.generation.gen_len - 1
-  if total > cfg.max_positions:
-    raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
-                       f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
-                       'shorten one of them')
-  _, head = run_lib.plan_report(rc, st, rc.policy, None, prompt_len=prompt_len,
-                                gen_len=rc.generation.gen_len)
-  with StageEngine(st.source, topology, link, policy=rc.policy,
-                   compute_dtype=st.compute_dtype, cache_dtype=rc.cache_dtype,
-                   device=st.device, budgets=st.budgets, planner=st.planner,
-                   offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
-                   weights_cache=rc.weights_cache, io_threads=rc.io_threads,
-                   progress=False) as engine:
-    result = engine.generate(prompts, rc.generation)
-  measured = st.watch.peaks()
-  tiers = ('device', 'host', 'disk', 'ram')
-  planned = result.planned_peak_bytes
-  mine = [planned.get(tier) if planned.get(tier) is not None else -1 for tier in tiers]
-  mine += [measured['rss'], measured.get('device', -1)]
-  every = link.gather([v + 1 for v in mine], process_id) - 1  # -1: none
-  if process_id:
-    return None
-  if rc.output:
-    run_lib.write_outputs(rc.output, prompts, texts, result, st.tokenizer)
-  report = {**head, **run_lib.report(rc, engine, result, measured)}
-  report['model'] = cfg.name
-  report['pipeline_stages'] = num_processes
-  for q, (layers, row) in enumerate(zip(ranges, every)):
-    parts = (['embed'] if q == 0 else []) + [f'layers {layers.start}-{layers.stop - 1}'] + (
-        ['head'] if q == num_processes - 1 else [])
-    stage = {'holds': ' + '.join(parts)}
-    stage.update({f'planned_{tier}_peak_bytes': int(v)
-                  for tier, v in zip(tiers, row[:4]) if v >= 0})
-    if st.device.platform == 'cpu':
-      stage['measured_ram_peak_bytes'] = int(row[4])
-    else:
-      stage['measured_host_peak_bytes'] = int(row[4])
-      stage['measured_device_peak_bytes'] = int(row[5])
-    report[f'stage{q}'] = stage
-  return report
