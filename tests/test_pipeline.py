@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import PROMPTS, TINY_SHAPES, make_hf_model
@@ -22,6 +21,7 @@ from flexjax.pipeline import split_layers, tick_schedule
 from flexjax.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
+CPU_PROFILE = str(ROOT / 'configs' / 'hw' / 'cpu-2core.json')
 OFFLOADED = ['--w_gpu_percent=0', '--w_cpu_percent=50', '--cache_gpu_percent=0',
              '--cache_cpu_percent=100']
 
@@ -75,6 +75,35 @@ def test_three_stages_offloaded_equal_one_process(four_layers, tmp_path):
   assert [report[f'stage{q}']['holds'] for q in range(3)] == [
       'embed + layers 0-0', 'layers 1-2', 'layers 3-3 + head']
   assert report['stage1']['planned_disk_peak_bytes'] > 0  # half the weights stream from disk
+
+
+def test_searched_stage_policies_share_one_block_shape(four_layers, tmp_path):
+  """--policy=auto: each stage searches its own layers within its budgets, the stages run one
+  block shape, and the tokens equal one process's with that shape."""
+  tokens, report = launch(four_layers, tmp_path, 2, '--policy=auto', f'--hw_profile={CPU_PROFILE}',
+                          '--max_block_size=4', '--cpu_mem=2')
+  shapes = {report[f'stage{q}']['policy'].split()[0] for q in range(2)}
+  assert len(shapes) == 1, report
+  gbs, nb = (int(v) for v in shapes.pop().split('x'))
+  assert gbs * nb <= 4 and report['predicted_total_tok_s'] > 0
+  assert tokens == single(four_layers, Policy(gpu_batch_size=gbs, num_gpu_batches=nb))
+
+
+def test_a_stage_over_its_budget_is_refused_before_any_stage_allocates(four_layers, tmp_path):
+  offload = tmp_path / 'offload'
+  offload.mkdir()
+  cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--weights=checkpoint',
+         f'--checkpoint={four_layers}', '--prompt_len=8', '--gen_len=4', '--noprogress',
+         '--gpu_batch_size=64', '--cache_gpu_percent=0', '--cache_cpu_percent=0',
+         '--cpu_mem=0.02', f'--offload_dir={offload}']
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr
+  assert lines[0].startswith('flexjax: error: pipeline stage 0 of 2 failed: stage 0 (embed + '
+                             'layers 0-1): '), lines[0]
+  assert '--cpu_mem' in lines[0]
+  assert not any(offload.rglob('*'))  # no stage created its cache or hidden-state files
 
 
 def test_a_killed_stage_stops_the_others(four_layers, tmp_path):
