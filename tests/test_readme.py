@@ -45,7 +45,7 @@ def is_set_up(argv: list[str]) -> bool:
 def _key(argv: list[str]) -> str:
   """Which README command this is: its module and the flag that tells it apart."""
   module = argv[2] if argv[:2] == ['python', '-m'] else argv[0]
-  for flag in ('--hf_dir', '--model_args', '--render', '--plot', '--folder', '--flagfile',
+  for flag in ('--process_id=0', '--process_id=1', '--hf_dir', '--model_args', '--render', '--plot', '--folder', '--flagfile',
                '--prompt_file', '--input', '--dry_run', '--model=', '--output='):
     if any(a.startswith(flag) for a in argv):
       return f'{module} {flag.rstrip("=")}'
@@ -66,6 +66,10 @@ RUNS = {
     'tools.suite --render': 'as is',
     'tools.suite --plot': 'the PNG written to a temporary folder',
     'tools.roofline --folder': 'as is',
+    'flexjax.launch --flagfile': 'as is',
+    'flexjax.launch --dry_run': 'as is',
+    'flexjax.launch --process_id=0': 'both hosts on this one: 10.0.0.1 is 127.0.0.1, a free port',
+    'flexjax.launch --process_id=1': 'both hosts on this one: 10.0.0.1 is 127.0.0.1, a free port',
 }
 
 
@@ -152,3 +156,24 @@ def test_the_checkpoint_examples_run_on_a_tiny_model(pre_ln, workdir):
               **{'lambada_openai,hellaswag': 'fj_choice'})
   proc = _run(argv + ['--include_path', str(tasks), '--limit', '2'], workdir)
   assert 'fj_choice' in proc.stdout and 'acc' in proc.stdout
+
+
+def test_the_pipeline_launches_run_as_written_and_across_hosts_on_localhost(workdir):
+  proc = _run(by_key('flexjax.launch --flagfile'), workdir)
+  assert 'pipeline_stages' in proc.stdout and 'stage1' in proc.stdout, proc.stdout
+  proc = _run(by_key('flexjax.launch --dry_run'), workdir)
+  assert re.search(r'^\s*fits: True$', proc.stdout, flags=re.M), proc.stdout
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS='cpu', FLEXJAX_CACHE=str(workdir / 'cache'))
+  procs = [subprocess.Popen(
+      [sys.executable, *_sub(by_key(f'flexjax.launch --process_id={i}'),
+                             **{'10.0.0.1:4000': f'127.0.0.1:{port}'})[1:]],
+      cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in (0, 1)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+  assert 'pipeline_stages' in outs[0][0] and 'total_tok_s' in outs[0][0]
+  assert 'pipeline_stages' not in outs[1][0]  # stage 0 reports
