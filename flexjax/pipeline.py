@@ -5,8 +5,10 @@ micro-batches (the GPU batches of a block) stream through the stages, hidden sta
 stage to stage with a `ppermute`, and the last stage's sampled tokens reach every stage with a
 `psum`, both under `shard_map` over a mesh of one device per process.
 
-The stages advance in ticks: in a tick each stage runs at most one micro-batch through all its
-layers, then every process joins the tick's one collective (multi-controller jax needs every
+The GPU batches of a block form as many groups as there are stages. The stages advance in
+ticks: in a tick each stage runs at most one group through all its layers, each layer's weights
+loaded once for the group's batches (the block schedule within a stage), then every process
+joins the tick's one collective (multi-controller jax needs every
 process to issue the same collectives in the same order). Which stage runs which micro-batch in
 which tick is computed alike by every process (`tick_schedule`), so the collectives' shapes and
 the early stop at EOS agree everywhere without messages of their own.
@@ -115,7 +117,8 @@ class StageWeights:
 
 
 def tick_schedule(num_stages: int, num_tokens: int, num_batches: int) -> list[list[int]]:
-  """ticks[p][i]: the tick in which stage p runs item i = token * num_batches + batch.
+  """ticks[p][i]: the tick in which stage p runs item i = token * num_batches + batch (a batch
+  here is a group of micro-batches that move together).
 
   A stage runs its items in order, one per tick; item i reaches stage p the tick after stage
   p-1 ran it; the first stage embeds a decode token of a batch the tick after the last stage
@@ -207,16 +210,19 @@ class StageEngine(Engine):
     return self._ticks(executor, batches, gen, max_steps)
 
   def _ticks(self, executor: Executor, batches, gen, max_steps: int) -> tuple[float, float]:
-    topo, m, nb = self.topology, self.topology.num_processes, len(batches)
+    topo, m = self.topology, self.topology.num_processes
     p, n_local = topo.process_id, self.config.num_layers
     stages = ([0] if topo.first else []) + list(range(1, n_local + 1)) + (
         [n_local + 1] if topo.last else [])
-    ticks = tick_schedule(m, max_steps, nb)
+    groups = micro_batch_groups(len(batches), m)
+    ng = len(groups)
+    ticks = tick_schedule(m, max_steps, ng)
     runs = [{tick: i for i, tick in enumerate(row)} for row in ticks]  # per stage: tick -> item
     b, s, h = batches[0].tokens.shape[0], batches[0].tokens.shape[1], self.config.hidden_size
+    rows = b * len(groups[0])  # the rows of a group, exchanged together
     received: dict[int, jax.Array] = {}
     for length in (s, 1):  # the exchanges' compiles, before the clock starts
-      self.link.warm_up((b, length, h), self.steps.compute)
+      self.link.warm_up((rows, length, h), self.steps.compute)
     start = time.perf_counter()
     prefill_s = None
     first = None  # this process's next item's first weights, loading
@@ -224,32 +230,34 @@ class StageEngine(Engine):
       for tick in range(ticks[m - 1][-1] + 1):
         item = runs[p].get(tick)
         if item is not None:
-          output, first = self._run_item(executor, batches, item, stages, received, gen,
-                                         first=first, more=item + 1 < len(ticks[p]))
+          outputs, first = self._run_item(executor, batches, groups, item, stages, received,
+                                          gen, first=first, more=item + 1 < len(ticks[p]))
         senders = {q: runs[q][tick] for q in range(m) if tick in runs[q]}
         sent = [i for q, i in senders.items() if q < m - 1]
         sampled = senders.get(m - 1)
         if not sent and sampled is None:
           continue
-        length = s if any(i < nb for i in sent) else 1
-        hidden = jnp.zeros((b, length, h), self.steps.compute)
+        length = s if any(i < ng for i in sent) else 1
+        hidden = jnp.zeros((rows, length, h), self.steps.compute)
         if item is not None and not topo.last:
-          hidden = output if output.shape[1] == length else jnp.pad(
-              output, ((0, 0), (0, length - output.shape[1]), (0, 0)))
-        tokens = np.zeros(b, np.int32)
+          hidden = jnp.concatenate([jnp.pad(y, ((0, 0), (0, length - y.shape[1]), (0, 0)))
+                                    for y in outputs])
+        tokens = np.zeros(rows, np.int32)
         if topo.last and sampled is not None:
-          token, k = divmod(sampled, nb)
-          tokens = batches[k].out[:, token].astype(np.int32)
+          token, g = divmod(sampled, ng)
+          tokens = np.concatenate([batches[k].out[:, token] for k in groups[g]]).astype(np.int32)
         got, tokens = self.link.exchange(hidden, tokens)
         if p and p - 1 in senders:
           i = senders[p - 1]
-          received[i] = got[:, :s if i < nb else 1]
+          received[i] = got[:, :s if i < ng else 1]
         if sampled is None:
           continue
-        token, k = divmod(sampled, nb)
+        token, g = divmod(sampled, ng)
         if not topo.last:
-          _take_tokens(batches[k], token, tokens, gen, self.config.eos_token_id)
-        if k == nb - 1:
+          for j, k in enumerate(groups[g]):
+            _take_tokens(batches[k], token, tokens[j * b:(j + 1) * b], gen,
+                         self.config.eos_token_id)
+        if g == ng - 1:
           if token == 0:
             prefill_s = time.perf_counter() - start
           if all(batch.finished[:batch.real_rows].all() for batch in batches):
@@ -261,49 +269,67 @@ class StageEngine(Engine):
     prefill_s = total if prefill_s is None else prefill_s
     return prefill_s, total - prefill_s
 
-  def _run_item(self, executor: Executor, batches, item: int, stages: list[int],
-                received: dict, gen, *, first, more: bool):
-    """Runs one micro-batch of one token through this process's stages, each stage's weights
-    loading (under overlap) while the one before computes.
+  def _run_item(self, executor: Executor, batches, groups: list[list[int]], item: int,
+                stages: list[int], received: dict, gen, *, first, more: bool):
+    """Runs one group of micro-batches for one token through this process's stages: each
+    stage's weights load once for the group (under overlap while the stage before computes)
+    and serve its micro-batches in turn, the block schedule within a stage.
 
     Args:
       first: a future of the first stage's loaded weights, or None to load them now.
       more: whether this process runs another item after this one (its first stage's weights
         then start loading while this item's last stage computes).
     Returns:
-      (the last stage's output: hidden states, or logits on the last stage; the future of the
-      next item's first weights or None).
+      (the last stage's output per micro-batch: hidden states, or logits on the last stage;
+      the future of the next item's first weights or None).
     """
     mover = executor.mover
-    token, k = divmod(item, len(batches))
-    batch = batches[k]
+    token, g = divmod(item, len(groups))
+    group = [batches[k] for k in groups[g]]
     if not self.topology.first:
+      got = received.pop(item)
+      b = group[0].tokens.shape[0]
       mover.begin_step_stores()
-      mover.store_hidden(batch.hidden, received.pop(item))
-    output = None
+      for j, batch in enumerate(group):
+        mover.store_hidden(batch.hidden, got[j * b:(j + 1) * b])
+    outputs: list = []
     overlap = self.policy.overlap
     weights = first or mover.workers['weights'].submit(mover.load_weights, stages[0])
     for n, stage in enumerate(stages):
       loaded = weights.result()
       upcoming = stages[n + 1] if n + 1 < len(stages) else (stages[0] if more else None)
       if overlap and upcoming is not None:  # loads while this stage computes
-        weights = mover.workers['weights'].submit(mover.load_weights, upcoming, output)
-      step = Step(token, stage, k)
-      inputs = mover.load_inputs(step, batch)
-      output, released = executor._compute(step, batch, loaded.params, inputs, gen)
-      if released is not None:
-        released.result()
-      jax.block_until_ready(output)
-      batch.hidden.wait()
-      mover.free_weights(loaded, [output])
+        weights = mover.workers['weights'].submit(mover.load_weights, upcoming,
+                                                  outputs[-1] if outputs else None)
+      outputs = []
+      for k, batch in zip(groups[g], group):
+        step = Step(token, stage, k)
+        inputs = mover.load_inputs(step, batch)
+        output, released = executor._compute(step, batch, loaded.params, inputs, gen)
+        if released is not None:
+          released.result()
+        outputs.append(output)
+      jax.block_until_ready(outputs)
+      for batch in group:
+        batch.hidden.wait()
+      mover.free_weights(loaded, outputs)
       if not overlap and n + 1 < len(stages):
         weights = mover.workers['weights'].submit(mover.load_weights, stages[n + 1])
-    s = batch.tokens.shape[1]
+    s = group[0].tokens.shape[1]
     if token > 0:  # this stage's caches hold the token's slot: the next token attends to it
-      batch.cache_mask[:, s + token - 1] = True
-      batch.step_inputs = self.steps.step_inputs(batch.geometry, batch.cache_mask,
-                                                 slot=s + token)
-    return output, (weights if overlap and more else None)
+      for batch in group:
+        batch.cache_mask[:, s + token - 1] = True
+        batch.step_inputs = self.steps.step_inputs(batch.geometry, batch.cache_mask,
+                                                   slot=s + token)
+    return outputs, (weights if overlap and more else None)
+
+
+def micro_batch_groups(num_batches: int, num_stages: int) -> list[list[int]]:
+  """The GPU batches of a block in as many groups as there are stages (so every stage can be
+  busy with a different group), or one batch per group where they do not divide evenly."""
+  groups = num_stages if num_batches % num_stages == 0 else num_batches
+  size = num_batches // groups
+  return [list(range(g * size, (g + 1) * size)) for g in range(groups)]
 
 
 def _take_tokens(batch, token: int, tokens: np.ndarray, gen, eos_token_id: int) -> None:

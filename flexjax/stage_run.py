@@ -48,6 +48,26 @@ def pipeline_seconds(prefill_s, decode_s, num_batches: int) -> tuple[float, floa
   return prefill, decode
 
 
+def best_shape(shapes: list[tuple[int, int]], stages: list[list[tuple[bool, float, float]]],
+               gen_len: int) -> int | None:
+  """Index of the block shape (gpu_batch_size, num_gpu_batches) with the highest predicted
+  pipeline throughput among those every stage fits; None if there is none.
+
+  stages[p][j]: whether stage p fits shape j, and its predicted (prefill, decode) seconds of a
+  block of that shape.
+  """
+  best, best_rate = None, 0.0
+  for j, (gbs, nb) in enumerate(shapes):
+    if not all(stage[j][0] for stage in stages):
+      continue
+    prefill, decode = pipeline_seconds([stage[j][1] for stage in stages],
+                                       [stage[j][2] for stage in stages], nb)
+    rate = gbs * nb * gen_len / max(prefill + decode, 1e-9)
+    if rate > best_rate:
+      best, best_rate = j, rate
+  return best
+
+
 def agree(link: Link, process_id: int, error: FlexjaxError | None, what: str) -> None:
   """Every stage learns whether every stage succeeded; the first that did not raises its own
   error, the others an OtherStageFailed naming it."""
@@ -101,14 +121,8 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
     row += [0, 0, 0] if found is None else [1, round(found[1].prefill_s * 1e6),
                                             round(found[1].decode_s * 1e6)]
   every = link.gather(row, process_id).reshape(-1, len(shapes), 3)
-  best, best_rate = None, 0.0
-  for j, (gbs, nb) in enumerate(shapes):
-    if not every[:, j, 0].all():
-      continue
-    prefill, decode = pipeline_seconds(every[:, j, 1] / 1e6, every[:, j, 2] / 1e6, nb)
-    rate = gbs * nb * gen_len / max(prefill + decode, 1e-9)
-    if rate > best_rate:
-      best, best_rate = j, rate
+  best = best_shape(shapes, [[(bool(f), pre / 1e6, dec / 1e6) for f, pre, dec in stage]
+                             for stage in every], gen_len)
   if best is None:
     raise FlexjaxError(f'no block shape fits every stage: the stages chose {shapes} '
                        '(gpu_batch_size, num_gpu_batches) and each fails on some stage; give '

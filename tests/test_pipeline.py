@@ -17,7 +17,7 @@ from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
 from flexjax.hf_import import convert
-from flexjax.pipeline import split_layers, tick_schedule
+from flexjax.pipeline import micro_batch_groups, split_layers, tick_schedule
 from flexjax.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +57,8 @@ def single(ckpt: Path, policy: Policy, gen_len: int = 6):
 
 
 def test_two_stages_equal_one_process(four_layers, tmp_path):
-  tokens, report = launch(four_layers, tmp_path, 2)
-  assert tokens == single(four_layers, Policy(gpu_batch_size=2, num_gpu_batches=2))
+  tokens, report = launch(four_layers, tmp_path, 2, '--num_gpu_batches=4')  # 2 groups of 2
+  assert tokens == single(four_layers, Policy(gpu_batch_size=2, num_gpu_batches=4))
   assert report['pipeline_stages'] == 2
   assert report['stage0']['holds'] == 'embed + layers 0-1'
   assert report['stage1']['holds'] == 'layers 2-3 + head'
@@ -156,6 +156,13 @@ def test_split_layers_balances_embedding_and_head():
   assert sum(len(r) for r in split) == 6
   with pytest.raises(FlexjaxError, match='at least one'):
     split_layers(tiny, 7)
+
+
+def test_micro_batches_form_a_group_per_stage():
+  assert micro_batch_groups(4, 2) == [[0, 1], [2, 3]]
+  assert micro_batch_groups(6, 3) == [[0, 1], [2, 3], [4, 5]]
+  assert micro_batch_groups(2, 3) == [[0], [1]]  # fewer batches than stages: one each
+  assert micro_batch_groups(5, 2) == [[0], [1], [2], [3], [4]]
 
 
 def test_tick_schedule_respects_dependencies():
