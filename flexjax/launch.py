@@ -37,6 +37,9 @@ def define_launch_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_integer('processes_per_host', 1, 'Stages on each host: they share its RAM and '
                        'disk where --cpu_mem/--disk_mem are not given (a local launch sets it).',
                        lower_bound=1, **f)
+  flags.DEFINE_bool('stage_process', False, 'Run the stage in this process (the launcher starts '
+                    'each stage as a child with this set, and reports its failure in one line).',
+                    **f)
   flags.DEFINE_integer('stage_timeout', 60, 'Seconds a stage waits for the others to start, '
                        'and for a silent one before it gives up.', lower_bound=5, **f)
 
@@ -63,7 +66,67 @@ def main(argv) -> int:
     print(f'flexjax: error: --process_id={fv.process_id} needs --coordinator=host:port and '
           f'must be below --num_processes={fv.num_processes}', file=sys.stderr)
     return 2
-  return run_stage_process(fv)
+  if fv.stage_process:
+    return run_stage_process(fv)
+  try:
+    _check_coordinator(fv.coordinator, fv.process_id, fv.stage_timeout)
+    _check_stages(fv.num_processes)
+  except FlexjaxError as e:
+    print(f'flexjax: error: {e}', file=sys.stderr)
+    return 2
+  return supervise(fv.process_id, fv.num_processes, sys.argv[1:])
+
+
+def _check_coordinator(address: str, process_id: int, timeout: int) -> None:
+  """Stage 0 can serve at the address; another stage reaches it within the timeout (the
+  distributed runtime aborts the process, with a native stack trace, on either failure)."""
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit():
+    raise FlexjaxError(f'--coordinator={address!r} must be host:port, e.g. 10.0.0.1:4000')
+  if process_id == 0:
+    with socket.socket() as s:
+      s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      try:
+        s.bind(('', int(port)))
+      except OSError as e:
+        raise FlexjaxError(f'stage 0 cannot serve the coordinator on port {port} ({e.strerror}); '
+                           'choose a free port in --coordinator') from None
+    return
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      socket.create_connection((host, int(port)), timeout=2).close()
+      return
+    except OSError:
+      if time.monotonic() > deadline:
+        raise FlexjaxError(f'stage {process_id} cannot reach the coordinator {address} within '
+                           f'--stage_timeout={timeout} s; start stage 0 with the same '
+                           '--coordinator on that host, or check the address') from None
+      time.sleep(0.5)
+
+
+def supervise(process_id: int, n: int, args: list[str]) -> int:
+  """Runs this host's stage as a child and reports its failure in one line."""
+  log = tempfile.TemporaryFile('w+')
+  proc = subprocess.Popen([sys.executable, '-m', 'flexjax.launch', *args, '--stage_process'],
+                          stderr=log)
+  try:
+    code = proc.wait()
+  except KeyboardInterrupt:
+    _stop([proc])
+    return 130
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  try:
+    if code == 0:
+      _forward(log)
+      return 0
+    print(f'flexjax: error: pipeline stage {process_id} of {n} stopped: '
+          f'{_reason(log, code)}', file=sys.stderr)
+    return 2 if code in (2, _BECAUSE_OF_OTHERS) else 1
+  finally:
+    log.close()
 
 
 def _check_stages(n: int) -> None:
@@ -107,7 +170,8 @@ def run_stage_process(fv) -> int:
 
 def _passed_flags(args: list[str]) -> list[str]:
   """The command line's flags for the stages, less those the launcher sets per stage."""
-  own = ('--num_processes', '--process_id', '--coordinator', '--processes_per_host')
+  own = ('--num_processes', '--process_id', '--coordinator', '--processes_per_host',
+         '--stage_process', '--nostage_process')
   return [a for a in args if not a.startswith(own)]
 
 
@@ -127,7 +191,7 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
       procs.append(subprocess.Popen(
           [sys.executable, '-m', 'flexjax.launch', *args, f'--num_processes={n}',
            f'--process_id={i}', f'--coordinator=127.0.0.1:{port}',
-           f'--processes_per_host={n}', f'--stage_timeout={timeout}'],
+           f'--processes_per_host={n}', f'--stage_timeout={timeout}', '--stage_process'],
           stdout=None if i == 0 else subprocess.DEVNULL, stderr=logs[i]))
     failed = None
     while failed is None and any(p.poll() is None for p in procs):
@@ -142,8 +206,7 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
       failed = _own_failure(procs, failed)
     _stop(procs)
     code = procs[failed].returncode
-    reason = _last_error(logs[failed]) or (
-        f'killed by signal {-code}' if code < 0 else f'exit code {code}')
+    reason = _reason(logs[failed], code)
     print(f'flexjax: error: pipeline stage {failed} of {n} failed: {reason}; the other stages '
           'were stopped', file=sys.stderr)
     return 2 if code == 2 else 1
@@ -184,6 +247,21 @@ def _stop(procs) -> None:
 def _lines(log) -> list[str]:
   log.seek(0)
   return [line.rstrip('\n') for line in log.read().splitlines() if line.strip()]
+
+
+def _reason(log, code: int) -> str:
+  """Why a stage ended: its own one-line error, the distributed runtime's verdict, a signal,
+  or its last line of output."""
+  lines = _lines(log)
+  own = _last_error(log)
+  if own is not None and any(line.startswith('flexjax: error: ') for line in lines):
+    return own
+  if code < 0:
+    return f'killed by signal {-code}'
+  if any('distributed service detected fatal errors' in line for line in lines):
+    return ('the distributed runtime lost another stage (it exited, or its host cannot be '
+            'reached)')
+  return own or f'exit code {code}'
 
 
 def _last_error(log) -> str | None:

@@ -135,6 +135,52 @@ def test_a_killed_stage_stops_the_others(four_layers, tmp_path):
   assert lines[0].startswith('flexjax: error: pipeline stage 1 of 2 failed: killed by signal 9')
 
 
+def test_across_hosts_a_killed_stage_stops_the_other_with_one_line(four_layers, tmp_path):
+  """Each host's launcher runs its stage as a child: when the other host's stage dies, the
+  distributed runtime aborts this one, and its launcher says so in one line."""
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  hosts = [subprocess.Popen(
+      [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', f'--process_id={i}',
+       f'--coordinator=127.0.0.1:{port}', '--stage_timeout=20', '--weights=checkpoint',
+       f'--checkpoint={four_layers}', '--prompt_len=8', '--gen_len=50', '--noprogress',
+       '--stop_at_eos=false', '--num_prompts=64', '--gpu_batch_size=1', '--num_gpu_batches=4'],
+      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+  try:
+    stage1 = None
+    deadline = time.monotonic() + 60
+    while stage1 is None and time.monotonic() < deadline:
+      stage1 = next(iter(_children(hosts[1].pid)), None)
+      time.sleep(0.2)
+    assert stage1 is not None and '--stage_process' in _cmdline(stage1)
+    time.sleep(4)
+    os.kill(stage1, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err0 = hosts[0].communicate(timeout=90)
+    _, err1 = hosts[1].communicate(timeout=30)
+    assert time.monotonic() - killed < 90
+  finally:
+    for h in hosts:
+      if h.poll() is None:
+        h.kill()
+  assert err1.strip() == 'flexjax: error: pipeline stage 1 of 2 stopped: killed by signal 9'
+  lines = err0.strip().splitlines()
+  assert hosts[0].returncode != 0 and len(lines) == 1, err0
+  assert lines[0].startswith('flexjax: error: pipeline stage 0 of 2 stopped: '), lines[0]
+
+
+def test_an_unreachable_coordinator_is_one_line(four_layers):
+  cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--process_id=1',
+         '--coordinator=127.0.0.1:9', '--stage_timeout=5', '--weights=checkpoint',
+         f'--checkpoint={four_layers}', '--prompt_len=4', '--gen_len=2', '--noprogress']
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2
+  assert proc.stderr.count('\n') == 1 and 'cannot reach the coordinator 127.0.0.1:9' in (
+      proc.stderr), proc.stderr
+
+
 def test_too_many_stages_is_one_line(four_layers, tmp_path):
   cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=5', '--weights=checkpoint',
          f'--checkpoint={four_layers}', '--prompt_len=4', '--gen_len=2', '--noprogress']
