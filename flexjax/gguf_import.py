@@ -78,7 +78,7 @@ class GGUFFile:
     self.path = Path(path)
     if not is_gguf(self.path):
       raise FlexjaxError(f'{str(path)!r} is not a GGUF file (no GGUF magic bytes); give a .gguf '
-                         'file, or an HF directory with config.json')
+                         'file (HF folders convert with --hf_dir)')
     try:
       self._reader = gguf.GGUFReader(self.path)
     except Exception as e:  # the reader raises several types for damaged files
@@ -241,6 +241,30 @@ class GGUFFile:
     if template:
       config['chat_template'] = template
     return config
+
+
+def convert(path: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 'float32',
+            overwrite: bool = False, progress: bool = False) -> Path:
+  """Converts a llama GGUF file into a flexjax checkpoint (weights and tokenizer).
+
+  Args:
+    dtype: stored dtype. 'float32' (the default, also for 'source') keeps the dequantized values
+      exactly, as transformers dequantizes them; 'float16'/'bfloat16' round them.
+  Returns:
+    The checkpoint path (complete: written to a temporary directory, then renamed).
+  """
+  import tempfile
+
+  from flexjax.config import ModelConfig
+  from flexjax.hf_import import convert_tensors
+
+  source = GGUFFile(path)
+  cfg = ModelConfig.from_hf_config(source.config, name=Path(path).name.removesuffix('.gguf'))
+  with tempfile.TemporaryDirectory(prefix='flexjax-gguf-tokenizer-') as folder:
+    files = source.write_tokenizer(folder) if source.has_tokenizer() else []
+    return convert_tensors(cfg, source.get, output,
+                           dtype='float32' if dtype == 'source' else dtype,
+                           tokenizer_files=files, overwrite=overwrite, progress=progress)
 
 
 def _hf_tensor_name(gguf_name: str) -> str:
