@@ -13,8 +13,12 @@ torch = pytest.importorskip('torch')  # CI installs the test extras; this only g
 transformers = pytest.importorskip('transformers')
 gguf = pytest.importorskip('gguf')
 
+from conftest import left_pad, llama_logits  # noqa: E402
 from flexjax import gguf_import  # noqa: E402
+from flexjax.checkpoint import Checkpoint  # noqa: E402
+from flexjax.engine import Engine, GenerationConfig  # noqa: E402
 from flexjax.errors import FlexjaxError  # noqa: E402
+from flexjax.policy import Policy  # noqa: E402
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
             num_hidden_layers=2, vocab_size=320, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -265,3 +269,37 @@ def test_smollm2_config_and_tokenizer(smollm2_gguf, smollm2_tokenizer, tmp_path)
   assert saved['chat_template'] == reader.metadata('tokenizer.chat_template')
   assert (saved['bos_token'], saved['eos_token'], saved['add_bos_token']) == (
       '<|im_start|>', '<|im_end|>', False)
+
+
+# ---- converted checkpoints through the engine ----------------------------------------------
+
+
+def run(ckpt: Path, policy: Policy, prompts, gen_len: int, offload_dir: Path | None = None):
+  with Engine(Checkpoint(ckpt), policy=policy, compute_dtype='float32',
+              offload_dir=None if offload_dir is None else str(offload_dir)) as engine:
+    return engine.generate(prompts, GenerationConfig(gen_len=gen_len, stop_at_eos=False),
+                           return_logits=True)
+
+
+def forced_reference(model, prompts, tokens: np.ndarray, pad_id: int) -> np.ndarray:
+  """transformers' logits of every generation step, fed the tokens flexjax generated:
+  [batch, gen_len, vocab]."""
+  ids, mask = left_pad(prompts, pad_id)
+  s, gen_len = ids.shape[1], tokens.shape[1]
+  full_ids = torch.cat([ids, torch.tensor(tokens[:, :-1], dtype=ids.dtype)], dim=1)
+  full_mask = torch.cat([mask, torch.ones(len(prompts), gen_len - 1, dtype=mask.dtype)], dim=1)
+  return llama_logits(model, full_ids, full_mask)[:, s - 1:]
+
+
+@pytest.fixture(scope='session')
+def tiny_ckpt(tiny_gguf, tmp_path_factory) -> Path:
+  return gguf_import.convert(tiny_gguf.path, tmp_path_factory.mktemp('tiny-gguf') / 'ckpt')
+
+
+def test_tiny_gguf_logits_equal_transformers(tiny_ckpt, tiny_reference):
+  prompts = [[1, 17, 200, 33, 9, 250, 71], [1, 5, 6], [1, 300, 11, 12, 13], [1, 44]]
+  result = run(tiny_ckpt, Policy(gpu_batch_size=4), prompts, gen_len=6)
+  want = forced_reference(tiny_reference, prompts, result.tokens, pad_id=2)
+  np.testing.assert_allclose(result.logits, want, atol=1e-4, rtol=0)
+  np.testing.assert_array_equal(result.tokens, want.argmax(-1))
+  assert Checkpoint(tiny_ckpt).config.tie_word_embeddings is False
