@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, left_pad, llama_logits
+from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig, preset
 from flexjax.engine import GenerationConfig
 from flexjax.errors import FlexjaxError
@@ -114,3 +115,17 @@ def test_presets_have_published_sizes():
   for name, count in params.items():
     assert preset(name).model_weight_bytes(1) == pytest.approx(count, rel=0.005), name
   assert preset('meta-llama/llama-3-8b').kv_dim == 1024
+
+
+def test_grouped_query_attention_shrinks_the_planned_cache():
+  """The plan's cache rows (what the plan, the cost model and the search charge per token) hold
+  the KV heads only: a quarter of the MHA model's with 8 heads and 2 KV heads."""
+  mha = ModelConfig(name='mha', family='llama', num_layers=2, hidden_size=256, num_heads=8,
+                    num_kv_heads=8, ffn_dim=128, vocab_size=1000, max_positions=256)
+  gqa = dataclasses.replace(mha, name='gqa', num_kv_heads=2)
+  assert 4 * gqa.kv_cache_bytes(8, 100) == mha.kv_cache_bytes(8, 100)
+  sizes = plan_lib.Itemsizes(2, 4, 2)
+  for policy in (Policy(), Policy(compress_cache=True)):
+    rows = [plan_lib.cache_row_bytes(c, policy, sizes) for c in (mha, gqa)]
+    assert rows[1] * 4 == rows[0], (policy.compress_cache, rows)
+  assert plan_lib.cache_row_bytes(gqa, Policy(), sizes) == 2 * 64
