@@ -129,3 +129,28 @@ def test_grouped_query_attention_shrinks_the_planned_cache():
     rows = [plan_lib.cache_row_bytes(c, policy, sizes) for c in (mha, gqa)]
     assert rows[1] * 4 == rows[0], (policy.compress_cache, rows)
   assert plan_lib.cache_row_bytes(gqa, Policy(), sizes) == 2 * 64
+
+
+@pytest.mark.parametrize('template', [True, False])
+def test_tokenizer_adds_bos_as_transformers_does(tmp_path, template):
+  """A Llama-style tokenizer.json whose post-processor prepends <s>, and one without (SmolLM2):
+  flexjax's ids equal transformers' with its default add_special_tokens."""
+  import tokenizers
+  import transformers
+  from flexjax.tokenizer import Tokenizer
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token='<unk>'))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(['Paris is the capital city of France.'] * 10, tokenizers.trainers.
+                          BpeTrainer(vocab_size=300, special_tokens=['<unk>', '<s>', '</s>']))
+  if template:
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single='<s> $A', special_tokens=[('<s>', 1)])
+  tok.save(str(tmp_path / 'tokenizer.json'))
+  theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / 'tokenizer.json'))
+  cfg = ModelConfig.from_hf_config(_hf(bos_token_id=1, eos_token_id=2))
+  ours = Tokenizer.for_model(tmp_path, cfg)
+  text = 'Paris is the capital'
+  assert ours.encode(text) == theirs(text)['input_ids']
+  assert ours.encode(text)[0] == 1 if template else ours.encode(text)[0] != 1
+  assert ours.decode(ours.encode(text)) == text
