@@ -423,3 +423,21 @@ def test_smollm2_perplexity_equals_transformers(smollm2, smollm2_hf, smollm2_tok
   assert ours.tokens == len(ids) - context
   assert ours.value == pytest.approx(theirs, rel=1e-3)
   assert 1 < ours.value < 30, ours.value  # an English text a trained model finds likely
+
+
+def test_smollm2_flagfile_plans_with_the_converted_checkpoint(smollm2, tmp_path):
+  """configs/gguf/smollm2-135m.flags as shipped, with the checkpoint and output moved to this
+  test's folders: it parses, reads its chat prompts through the checkpoint's tokenizer and
+  plans (--dry_run)."""
+  from absl import flags
+  from flexjax import flags as flags_lib
+  from flexjax.run import run as run_job
+  repo = Path(__file__).resolve().parents[1]
+  fv = flags.FlagValues()
+  flags_lib.define_flags(fv)
+  fv(['flexjax', f'--flagfile={repo / "configs/gguf/smollm2-135m.flags"}',
+      f'--checkpoint={smollm2.ckpt}', f'--output={tmp_path / "answers.jsonl"}',
+      f'--prompt_file={repo / "configs/gguf/smollm2-chat.jsonl"}', '--dry_run', '--noprogress',
+      f'--hw_profile={repo / "configs/hw/cpu-2core.json"}'])
+  report = run_job(flags_lib.run_config_from_flags(fv))
+  assert report['fits'] is True and report['model'] == 'SmolLM2-135M-Instruct.Q4_1'

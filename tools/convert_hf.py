@@ -25,7 +25,9 @@ def main(argv):
   del argv
   import jax
   jax.config.update('jax_platforms', 'cpu')  # conversion never needs the accelerator
+  from flexjax import flags as flags_lib
   from flexjax import progress as progress_lib
+  flags_lib.quiet_library_logs()  # orbax's INFO lines; errors come as one line below
   try:
     convert = _converter(_HF_DIR.value, _GGUF.value)
     path = convert(_HF_DIR.value or _GGUF.value, _OUTPUT.value, dtype=_DTYPE.value,
