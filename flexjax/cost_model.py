@@ -9,11 +9,13 @@ Under overlap a layer takes the largest of its I/O and compute terms; without, t
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from flexjax import plan as plan_lib
 from flexjax.plan import Linear, term
 from flexjax.config import ModelConfig
 from flexjax.hardware import HardwareProfile
+from flexjax.model import params as params_lib
 from flexjax.policy import Policy
 
 FRACTIONS = ('wg', 'wc', 'wd', 'cg', 'cc', 'cd', 'hg', 'hc', 'hd')
@@ -91,7 +93,8 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   read_v = policy.attn_sparsity if policy.attn_sparsity < 1 else 1.0
   kv_read_tok = k_tok * (1 + read_v)  # bytes read per attended position (K and kept V)
   hid = h * sizes.compute
-  flops_layer = 2 * (4 * h * h + 2 * h * cfg.ffn_dim)  # per token
+  flops_layer = 2 * layer_matmul_params(cfg)  # per token
+  q_dim = cfg.q_dim  # attention's width: scores and weighted sums over every query head
   mm_p, mm_g = hw.matmul_flops(gbs * s), hw.matmul_flops(gbs)
   bmm_p, bmm_g = hw.attention_flops(gbs), hw.attention_flops(gbs)
 
@@ -102,11 +105,11 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
                    hc=bls * s * hid / hw.gtoc_bw, hd=bls * s * hid / hw.gtoc_bw),
       'dtoc': term(wd=w_layer / hw.dtoc_bw, hd=bls * s * hid / hw.dtoc_bw),
       'ctod': term(cd=bls * s * 2 * k_tok / hw.ctod_bw, hd=bls * s * hid / hw.ctod_bw),
-      'compute': term(bls * s * flops_layer / mm_p + bls * 4 * s * s * h / bmm_p),
+      'compute': term(bls * s * flops_layer / mm_p + bls * 4 * s * s * q_dim / bmm_p),
   }
   cache_in = 0.0 if cpu_att else bls * avg * kv_read_tok / hw.ctog_bw
-  attention_device = bls * 4 * avg * h / bmm_g
-  attention_cpu = bls * 4 * avg * h / hw.cpu_flops
+  attention_device = bls * 4 * avg * q_dim / bmm_g
+  attention_cpu = bls * 4 * avg * q_dim / hw.cpu_flops
   offloaded_attention = attention_cpu if cpu_att else attention_device
   decode = {
       'ctog': term(wc=w_layer / hw.ctog_bw, wd=w_layer / hw.ctog_bw, cc=cache_in, cd=cache_in,
@@ -133,6 +136,13 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
     terms = [_share_compute(t) for t in terms]
   return Model(prefill=terms[0], decode=terms[1], ends_prefill=terms[2], ends_decode=terms[3],
                memory=mem, num_layers=L, gen_len=n, block_size=bls, overlap=policy.overlap)
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+  """Weights of one decoder layer's matrices (OPT: 4·h² + 2·h·ffn; llama: q, k, v, o with
+  grouped KV heads, then gate, up, down): a token's multiply-adds in its products."""
+  shapes = params_lib.flatten(cfg.layer_shapes())
+  return sum(math.prod(shape) for shape in shapes.values() if len(shape) == 2)
 
 
 def _share_compute(terms: dict[str, Linear]) -> dict[str, Linear]:

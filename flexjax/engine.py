@@ -343,7 +343,8 @@ class Engine:
     Runs the stages one after another with every stage's weights loaded as the policy places
     them (one batch, no KV cache kept).
     """
-    from flexjax.model import opt
+    from flexjax.model.family import layers
+    model = layers(self.config)
     tokens = np.asarray(tokens, np.int32)
     mask = np.ones(tokens.shape, bool) if mask is None else np.asarray(mask, bool)
     self._check_length(tokens.shape[1])
@@ -359,9 +360,9 @@ class Engine:
       params = loaded.params
       try:
         if index == 0:
-          x = self.steps.embed(params, put(tokens), put(opt.positions_from_mask(mask)))
+          x = self.steps.embed(params, put(tokens), put(model.positions_from_mask(mask)))
         elif index == len(self._stages) - 1:
-          x = opt.head(params, x, cfg=self.config, compute_dtype=self.steps.compute)
+          x = model.head(params, x, cfg=self.config, compute_dtype=self.steps.compute)
         else:
           x, _ = self.steps.prefill(params, x, put(mask))
         x.block_until_ready()

@@ -157,8 +157,7 @@ class FlexjaxLM(TemplateLM):
       raise FlexjaxError(f'checkpoint {self.options.checkpoint!r} has no tokenizer files; '
                          'convert it from a Hugging Face folder with vocab.json + merges.txt or '
                          'tokenizer.json')
-    self.tokenizer = Tokenizer(self._checkpoint.tokenizer_path, bos_token_id=cfg.bos_token_id,
-                               special_ids=(cfg.eos_token_id, cfg.pad_token_id))
+    self.tokenizer = Tokenizer.for_model(self._checkpoint.tokenizer_path, cfg)
     if self.options.max_length is not None and self.options.max_length > cfg.max_positions:
       raise FlexjaxError(f'model_args max_length={self.options.max_length} exceeds the '
                          f'{cfg.max_positions} positions of {cfg.name}; use at most that')

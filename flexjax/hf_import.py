@@ -1,4 +1,5 @@
-"""Reading Hugging Face OPT checkpoints: one mapping table from HF names to flexjax stages."""
+"""Reading Hugging Face OPT and Llama/Mistral checkpoints: a mapping table per family from HF
+names to flexjax stages, and the conversion core that any tensor source (safetensors, GGUF) feeds."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -42,6 +43,20 @@ _HEAD = {
     ('project_out', 'kernel'): ('project_out.weight', True),
 }
 
+# The llama family (Llama, Mistral, SmolLM2): full HF names. Tied models have no lm_head.weight.
+_LLAMA_LAYER = {
+    ('attn_norm', 'scale'): ('input_layernorm.weight', False),
+    **{(ours, 'kernel'): (f'self_attn.{ours}_proj.weight', True) for ours in 'qkvo'},
+    ('mlp_norm', 'scale'): ('post_attention_layernorm.weight', False),
+    **{(ours, 'kernel'): (f'mlp.{ours}_proj.weight', True) for ours in ('gate', 'up', 'down')},
+}
+_LLAMA_ENDS = {
+    'tokens': {('tokens',): ('model.embed_tokens.weight', False)},
+    'embed': {},
+    'head': {('final_norm', 'scale'): ('model.norm.weight', False),
+             ('lm_head',): ('lm_head.weight', False)},  # [vocab, hidden], as flexjax stores it
+}
+
 TOKENIZER_FILES = ('tokenizer.json', 'vocab.json', 'merges.txt', 'tokenizer_config.json',
                    'special_tokens_map.json', 'added_tokens.json')
 
@@ -57,6 +72,71 @@ def hf_name(stage: str, path: tuple[str, ...]) -> tuple[str, bool]:
   table = {'tokens': _TOKENS, 'embed': _EMBED, 'head': _HEAD}[stage]
   name, transpose = table[path]
   return f'decoder.{name}', transpose
+
+
+def hf_key(cfg: ModelConfig, stage: str, path: tuple[str, ...]) -> tuple[str, bool]:
+  """The full HF tensor name (e.g. 'model.layers.0.self_attn.q_proj.weight') of a flexjax
+  parameter of either family, and whether to transpose it."""
+  if cfg.family == 'opt':
+    name, transpose = hf_name(stage, path)
+    return f'model.{name}', transpose
+  if stage.startswith('layer_'):
+    name, transpose = _LLAMA_LAYER[path]
+    return f'model.layers.{int(stage[6:])}.{name}', transpose
+  return _LLAMA_ENDS[stage][path]
+
+
+def read_stage(cfg: ModelConfig, get: Callable[[str], np.ndarray], stage: str,
+               dtype: np.dtype) -> params_lib.HostParams:
+  """One flexjax stage from HF-named tensors (get(full HF name) -> array as HF stores it),
+  transposed, shape-checked against cfg and cast to dtype."""
+
+  def fetch(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
+    name, transpose = hf_key(cfg, stage, path)
+    value = get(name)
+    value = value.T if transpose else value
+    if value.shape != shape:
+      raise FlexjaxError(f'{name} has shape {value.shape} (after transpose: {transpose}) but '
+                         f'the config implies {shape}; the config and the weights disagree')
+    return np.ascontiguousarray(value, dtype=dtype)
+
+  return params_lib.map_shapes(fetch, params_lib.stage_shapes(cfg, stage))
+
+
+def convert_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray],
+                    output: str | os.PathLike, *, dtype: str,
+                    tokenizer_files: Iterable[str | os.PathLike] = (), overwrite: bool = False,
+                    progress: bool = False) -> Path:
+  """Writes a flexjax checkpoint from any source of HF-named tensors, one stage in memory at a
+  time: the conversion core under `convert` (HF folders) and GGUF import.
+
+  Args:
+    cfg: the model's config (ModelConfig.from_hf_config of its HF config, say).
+    get: full HF tensor name (e.g. 'model.embed_tokens.weight', 'lm_head.weight') -> numpy
+      array in HF's layout (Linear weights [out, in]); called once per tensor flexjax stores
+      (lm_head.weight only for untied embeddings).
+    output: the checkpoint folder to create.
+    dtype: stored dtype, 'float32', 'float16' or 'bfloat16'.
+    tokenizer_files: files copied into the checkpoint's tokenizer folder (tokenizer.json, ...).
+  Returns:
+    The checkpoint path (complete: written to a temporary directory, then renamed).
+  """
+  from flexjax.checkpoint import CheckpointWriter  # orbax is only needed for writing
+
+  target = np_dtype(dtype)
+  names = params_lib.stage_names(cfg)
+  files = [Path(f) for f in tokenizer_files]
+  with CheckpointWriter(output, cfg, dtype, overwrite=overwrite) as writer:
+    with progress_lib.bar(len(names), f'converting {cfg.name}', unit='stage',
+                          show=progress) as bar:
+      for stage in names:
+        writer.write_stage(stage, read_stage(cfg, get, stage, target))
+        bar.update(1)
+    if files:
+      writer.tokenizer_dir.mkdir()
+      for path in files:
+        (writer.tokenizer_dir / path.name).write_bytes(path.read_bytes())
+  return writer.path
 
 
 class _SafetensorsFile:
@@ -98,7 +178,8 @@ class _SafetensorsFile:
 
 
 class HFCheckpoint:
-  """Tensors of an HF OPT directory (config.json + *.safetensors, or pytorch_model*.bin).
+  """Tensors of an HF OPT, Llama or Mistral directory (config.json + *.safetensors, or
+  pytorch_model*.bin).
 
   Names are accepted with or without the 'model.' prefix.
   """
@@ -130,28 +211,20 @@ class HFCheckpoint:
     self._readers[key.removeprefix('model.')] = reader
 
   def source_dtype(self) -> str:
-    dtype = self.tensor('decoder.embed_tokens.weight').dtype
+    dtype = self.tensor(hf_key(self.config, 'tokens', ('tokens',))[0]).dtype
     return 'bfloat16' if dtype == np_dtype('bfloat16') else str(dtype)
 
   def tensor(self, name: str) -> np.ndarray:
+    """The tensor `name`, given with or without the 'model.' prefix."""
+    name = name.removeprefix('model.')
     if name not in self._readers:
       raise FlexjaxError(f'{str(self.dir)!r} has no tensor {name!r} (nor model.{name}); is it a '
-                         'complete OPT checkpoint?')
+                         f'complete {self.config.family} checkpoint?')
     return self._readers[name]()
 
   def read_stage(self, stage: str, dtype: np.dtype) -> params_lib.HostParams:
     """One flexjax stage from the HF tensors, transposed, shape-checked and cast to dtype."""
-
-    def fetch(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
-      name, transpose = hf_name(stage, path)
-      value = self.tensor(name)
-      value = value.T if transpose else value
-      if value.shape != shape:
-        raise FlexjaxError(f'{name} has shape {value.shape} (after transpose: {transpose}) but '
-                           f'config.json implies {shape}; the config and the weights disagree')
-      return np.ascontiguousarray(value, dtype=dtype)
-
-    return params_lib.map_shapes(fetch, params_lib.stage_shapes(self.config, stage))
+    return read_stage(self.config, self.tensor, stage, dtype)
 
   def stages(self, dtype: np.dtype) -> Iterator[tuple[str, params_lib.HostParams]]:
     for stage in params_lib.stage_names(self.config):
@@ -183,29 +256,16 @@ def _torch_to_numpy(t) -> np.ndarray:
 
 def convert(hf_dir: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 'source',
             overwrite: bool = False, progress: bool = False) -> Path:
-  """Converts an HF OPT directory into a flexjax checkpoint, one stage in memory at a time.
+  """Converts an HF OPT/Llama/Mistral directory into a flexjax checkpoint (convert_tensors over
+  its tensors and tokenizer files).
 
   Args:
     dtype: 'source' keeps the checkpoint's dtype; or 'float32', 'float16', 'bfloat16'.
   Returns:
     The checkpoint path (complete: written to a temporary directory, then renamed).
   """
-  from flexjax.checkpoint import CheckpointWriter  # orbax is only needed for writing
-
   hf = HFCheckpoint(hf_dir)
-  dtype = hf.source_dtype() if dtype == 'source' else dtype
-  target = np_dtype(dtype)
-  names = params_lib.stage_names(hf.config)
-  with CheckpointWriter(output, hf.config, dtype, overwrite=overwrite) as writer:
-    with progress_lib.bar(len(names), f'converting {hf.config.name}', unit='stage',
-                          show=progress) as bar:
-      for stage in names:
-        writer.write_stage(stage, hf.read_stage(stage, target))
-        bar.update(1)
-    files = hf.tokenizer_files()
-    if files:
-      writer.tokenizer_dir.mkdir()
-      for path in files:
-        (writer.tokenizer_dir / path.name).write_bytes(path.read_bytes())
-  return writer.path
-
+  return convert_tensors(hf.config, hf.tensor, output,
+                         dtype=hf.source_dtype() if dtype == 'source' else dtype,
+                         tokenizer_files=hf.tokenizer_files(), overwrite=overwrite,
+                         progress=progress)

@@ -79,8 +79,9 @@ def stage_names(cfg: ModelConfig) -> list[str]:
 
 
 def stage_shapes(cfg: ModelConfig, stage: str) -> dict[Path, tuple[int, ...]]:
-  """Flat shapes of a compute stage; the tied token embedding belongs to embed and head alike."""
-  if stage in ('embed', 'head'):
+  """Flat shapes of a compute stage; the token embedding belongs to embed, and to head when the
+  LM head is tied to it."""
+  if stage == 'embed' or (stage == 'head' and cfg.head_uses_tokens):
     shapes = {'tokens': cfg.tokens_shape(), **params_lib.stage_shapes(cfg, stage)}
   else:
     shapes = params_lib.stage_shapes(cfg, stage)
@@ -98,10 +99,10 @@ def compressed(policy: Policy, shape: tuple[int, ...]) -> bool:
 
 
 def cache_row_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> int:
-  """Bytes of one token's K (or V) in one layer."""
+  """Bytes of one token's K (or V) in one layer (its KV heads' width: GQA's cache is smaller)."""
   if policy.compress_cache:
-    return policy.quant.row_bytes(cfg.hidden_size)
-  return cfg.hidden_size * sizes.cache
+    return policy.quant.row_bytes(cfg.kv_dim)
+  return cfg.kv_dim * sizes.cache
 
 
 def sparse_keep(policy: Policy, cache_len: int) -> int:
@@ -195,11 +196,14 @@ def flexgen_groups(stage: str, shapes: dict[Path, tuple[int, ...]]) -> list[list
   if stage == 'embed':
     names = [[('tokens',), ('positions',)]]
   elif stage == 'head':
-    names = [[('final_ln', 'scale'), ('final_ln', 'bias'), ('tokens',)]]
-  else:
+    names = [[('final_ln', 'scale'), ('final_ln', 'bias'), ('final_norm', 'scale'), ('tokens',),
+              ('lm_head',)]]
+  else:  # OPT's names, then the llama family's
     dense = lambda *layers: [(n, part) for n in layers for part in ('kernel', 'bias')]
-    names = [dense('q', 'k', 'v', 'o') + [('attn_ln', 'scale'), ('attn_ln', 'bias')],
-             dense('fc1', 'fc2') + [('mlp_ln', 'scale'), ('mlp_ln', 'bias')]]
+    names = [dense('q', 'k', 'v', 'o') + [('attn_ln', 'scale'), ('attn_ln', 'bias'),
+                                          ('attn_norm', 'scale')],
+             dense('fc1', 'fc2', 'gate', 'up', 'down') + [('mlp_ln', 'scale'), ('mlp_ln', 'bias'),
+                                                          ('mlp_norm', 'scale')]]
   groups = [[path for path in group if path in shapes] for group in names]
   known = {path for group in groups for path in group}
   groups[-1] += sorted(path for path in shapes if path not in known)

@@ -75,9 +75,7 @@ def load_weights(rc: RunConfig) -> tuple[WeightSource, Tokenizer | None]:
                          f'{want.num_layers}/{want.hidden_size}/{want.num_heads}); drop --model '
                          'or use the matching checkpoint')
   cfg = ckpt.config
-  tokenizer = (Tokenizer(ckpt.tokenizer_path, bos_token_id=cfg.bos_token_id,
-                         special_ids=(cfg.eos_token_id, cfg.pad_token_id))
-               if ckpt.tokenizer_path else None)
+  tokenizer = Tokenizer.for_model(ckpt.tokenizer_path, cfg) if ckpt.tokenizer_path else None
   return ckpt, tokenizer
 
 

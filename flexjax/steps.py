@@ -18,7 +18,7 @@ import numpy as np
 
 from flexjax import quant as quant_lib
 from flexjax.config import ModelConfig, np_dtype
-from flexjax.model import opt
+from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
 from flexjax.policy import Policy
 from flexjax.quant import QuantConfig
@@ -122,11 +122,12 @@ class Steps:
     self.compute = np_dtype(compute_dtype)
     self.cache = np_dtype(cache_dtype)
     self.device, self.cpu = device, cpu
+    model = layers(cfg)
     kw = dict(cfg=cfg, compute_dtype=self.compute)
     cache_quant = policy.quant if policy.compress_cache else None
     layer_kw = dict(kw, cache_dtype=self.cache, cache_quant=cache_quant)
     attend_kw = dict(cfg=cfg, cache_quant=cache_quant)
-    self.embed = jax.jit(functools.partial(opt.embed, **kw))
+    self.embed = jax.jit(functools.partial(model.embed, **kw))
     self.head = jax.jit(functools.partial(head_sample, **kw),
                         static_argnames=('temperature', 'top_p'))
     self.prefill_layer = jax.jit(functools.partial(prefill_layer, **layer_kw),
@@ -137,11 +138,11 @@ class Steps:
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
     self.decode_back = jax.jit(functools.partial(decode_back, **attend_kw,
                                                  compute_dtype=self.compute))
-    self.offloaded_attend = jax.jit(functools.partial(opt.decode_attend, **attend_kw))
-    self.offloaded_select = jax.jit(functools.partial(opt.decode_select, **attend_kw),
+    self.offloaded_attend = jax.jit(functools.partial(model.decode_attend, **attend_kw))
+    self.offloaded_select = jax.jit(functools.partial(model.decode_select, **attend_kw),
                                     static_argnames=('keep',))
     # Whole-prompt scoring (Engine.score), weight loading and placing.
-    self.prefill = jax.jit(functools.partial(opt.decoder_prefill, **kw, cache_dtype=self.cache))
+    self.prefill = jax.jit(functools.partial(model.decoder_prefill, **kw, cache_dtype=self.cache))
     self.quantize = jax.jit(functools.partial(quant_lib.quantize, config=policy.quant))
     self.write_kv = jax.jit(_write, donate_argnums=(0,))
     self.dequantize = jax.jit(lambda p: quant_lib.unpack(p, self.compute))
@@ -149,8 +150,8 @@ class Steps:
   def cache_entry(self) -> tuple[int, np.dtype]:
     """Last axis and dtype of a stored KV cache entry (byte rows when compressed)."""
     if self.policy.compress_cache:
-      return self.policy.quant.row_bytes(self.cfg.hidden_size), np.dtype(np.uint8)
-    return self.cfg.hidden_size, self.cache
+      return self.policy.quant.row_bytes(self.cfg.kv_dim), np.dtype(np.uint8)
+    return self.cfg.kv_dim, self.cache
 
   def keep(self, total_len: int) -> int | None:
     """Cached positions sparse attention keeps per decode step; None for dense attention."""
@@ -329,7 +330,7 @@ def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, tempera
   Returns:
     (logits [b, vocab] float32, tokens [b] int32).
   """
-  logits = opt.head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
+  logits = layers(cfg).head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
   keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(c[0]), c[1]))(counters)
   return logits, next_token(logits, keys, temperature=temperature, top_p=top_p)
 
@@ -345,8 +346,8 @@ def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, c
     (y [b, s, hidden], caches with positions [0, s) written, (K, V) entries of the other rows
     [b - d, s, entry] for the host and disk tiers, or None).
   """
-  y, (k, v) = opt.decoder_prefill(params, x, mask, cfg=cfg, compute_dtype=compute_dtype,
-                                  cache_dtype=cache_dtype)
+  y, (k, v) = layers(cfg).decoder_prefill(params, x, mask, cfg=cfg,
+                                          compute_dtype=compute_dtype, cache_dtype=cache_dtype)
   entries = tuple(_entries(a, cache_quant) for a in (k, v))  # [b, s, entry]
   return (y, *_store(caches, entries, 0, device_rows))
 
@@ -359,8 +360,9 @@ def decode_layer(params, x, caches, mask, slot, loaded, *, cfg: ModelConfig, com
 
   Returns (y [b, 1, hidden], device caches, offloaded rows' (K, V) entries or None).
   """
-  q, k, v = opt.decode_qkv(params, x, cfg=cfg, compute_dtype=compute_dtype,
-                           cache_dtype=cache_dtype)
+  model = layers(cfg)
+  q, k, v = model.decode_qkv(params, x, mask, cfg=cfg, compute_dtype=compute_dtype,
+                             cache_dtype=cache_dtype)
   d, attend = device_rows, functools.partial(_attend, cfg=cfg, cache_quant=cache_quant, keep=keep)
   caches, written = _store(caches, _new_entries(k, v, cache_quant), slot, d)
   parts = []
@@ -368,7 +370,7 @@ def decode_layer(params, x, caches, mask, slot, loaded, *, cfg: ModelConfig, com
     parts.append(attend(q[:d], k[:d], v[:d], *caches, mask[:d]))
   if loaded is not None:
     parts.append(attend(q[d:], k[d:], v[d:], *loaded, mask[d:]))
-  y = opt.decode_out(params, x, _join(parts), cfg=cfg, compute_dtype=compute_dtype)
+  y = model.decode_out(params, x, _join(parts), cfg=cfg, compute_dtype=compute_dtype)
   return y, caches, written
 
 
@@ -385,8 +387,9 @@ def decode_front(params, x, caches, mask, slot, k_loaded, *, cfg: ModelConfig, c
   rows' (K, V) entries, 'qkv': their q, k, v [b - d, hidden], and with k_loaded 'scores'
   [b - d, t + 1, heads] and 'positions' [b - d, keep]}.
   """
-  q, k, v = opt.decode_qkv(params, x, cfg=cfg, compute_dtype=compute_dtype,
-                           cache_dtype=cache_dtype)
+  model = layers(cfg)
+  q, k, v = model.decode_qkv(params, x, mask, cfg=cfg, compute_dtype=compute_dtype,
+                             cache_dtype=cache_dtype)
   d = device_rows
   caches, written = _store(caches, _new_entries(k, v, cache_quant), slot, d)
   out = {'caches': caches, 'written': written, 'qkv': (q[d:], k[d:], v[d:]), 'attn': None}
@@ -394,8 +397,9 @@ def decode_front(params, x, caches, mask, slot, k_loaded, *, cfg: ModelConfig, c
     out['attn'] = _attend(q[:d], k[:d], v[:d], *caches, mask[:d], cfg=cfg,
                           cache_quant=cache_quant, keep=keep)
   if k_loaded is not None:
-    out['scores'], out['positions'] = opt.decode_select(q[d:], k[d:], k_loaded, mask[d:], cfg=cfg,
-                                                        keep=keep, cache_quant=cache_quant)
+    out['scores'], out['positions'] = model.decode_select(q[d:], k[d:], k_loaded, mask[d:],
+                                                          cfg=cfg, keep=keep,
+                                                          cache_quant=cache_quant)
   return out
 
 
@@ -405,9 +409,10 @@ def decode_back(params, x, attn, offloaded, *, cfg: ModelConfig, compute_dtype,
   hidden], or sparse from (scores, positions, kept V rows, new v)), joined to the device rows'
   `attn` (or None), then the output projection and the MLP. -> y [b, 1, hidden]."""
   if isinstance(offloaded, tuple):
-    offloaded = opt.decode_attend_selected(*offloaded, cfg=cfg, cache_quant=cache_quant)
+    offloaded = layers(cfg).decode_attend_selected(*offloaded, cfg=cfg,
+                                                   cache_quant=cache_quant)
   parts = [offloaded] if attn is None else [attn, offloaded]
-  return opt.decode_out(params, x, _join(parts), cfg=cfg, compute_dtype=compute_dtype)
+  return layers(cfg).decode_out(params, x, _join(parts), cfg=cfg, compute_dtype=compute_dtype)
 
 
 def _entries(a: jax.Array, cache_quant: QuantConfig | None) -> jax.Array:
@@ -433,12 +438,13 @@ def _attend(q, k, v, k_cache, v_cache, mask, *, cfg: ModelConfig,
             cache_quant: QuantConfig | None, keep: int | None):
   """Dense attention of rows over their cache, or sparse: scores against all of K, then only the
   `keep` selected V rows."""
+  model = layers(cfg)
   if keep is None:
-    return opt.decode_attend(q, k, v, k_cache, v_cache, mask, cfg=cfg, cache_quant=cache_quant)
-  scores, positions = opt.decode_select(q, k, k_cache, mask, cfg=cfg, keep=keep,
-                                        cache_quant=cache_quant)
-  return opt.decode_attend_selected(scores, positions, _take_rows(v_cache, positions), v, cfg=cfg,
-                                    cache_quant=cache_quant)
+    return model.decode_attend(q, k, v, k_cache, v_cache, mask, cfg=cfg, cache_quant=cache_quant)
+  scores, positions = model.decode_select(q, k, k_cache, mask, cfg=cfg, keep=keep,
+                                          cache_quant=cache_quant)
+  return model.decode_attend_selected(scores, positions, _take_rows(v_cache, positions), v,
+                                      cfg=cfg, cache_quant=cache_quant)
 
 
 def _join(parts: list[jax.Array]) -> jax.Array:

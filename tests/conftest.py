@@ -1,4 +1,5 @@
-"""Tiny random OPT models saved by transformers, converted by flexjax: shared test fixtures."""
+"""Tiny random OPT and Llama/Mistral models saved by transformers, converted by flexjax: shared
+test fixtures."""
 
 from __future__ import annotations
 
@@ -84,6 +85,68 @@ def pre_ln(tmp_path_factory) -> TinyModel:
   save_tokenizer(root / 'hf')
   convert(root / 'hf', root / 'ckpt', dtype='float32', progress=False)
   return TinyModel('pre_ln', root / 'hf', root / 'ckpt', model)
+
+
+# name -> (transformers class, config fields). GQA ratios 4/2, 6/1 and 4/4, tied and untied
+# embeddings, Llama 3 rope scaling, a Mistral; odd vocabularies, all above PROMPTS' ids.
+_LLAMA3_ROPE = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                'high_freq_factor': 4.0, 'original_max_position_embeddings': 16}
+LLAMA_SHAPES = {
+    'gqa_4_2': ('LlamaForCausalLM', dict(hidden_size=32, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=72,
+                                         vocab_size=1000)),
+    'mqa_6_1_tied': ('LlamaForCausalLM', dict(hidden_size=48, num_attention_heads=6,
+                                              num_key_value_heads=1, intermediate_size=80,
+                                              vocab_size=1003, tie_word_embeddings=True)),
+    'mha_llama3_rope': ('LlamaForCausalLM', dict(hidden_size=40, num_attention_heads=4,
+                                                 num_key_value_heads=4, intermediate_size=56,
+                                                 vocab_size=997, rope_theta=500000.0,
+                                                 rope_scaling=_LLAMA3_ROPE)),
+    'mistral': ('MistralForCausalLM', dict(hidden_size=32, num_attention_heads=4,
+                                           num_key_value_heads=2, intermediate_size=64,
+                                           vocab_size=1001, sliding_window=None)),
+}
+
+
+def make_hf_llama(name: str, seed: int = 0):
+  """A random Llama/Mistral model (norm scales near 1, matrices 0.08-scaled noise)."""
+  cls, fields = LLAMA_SHAPES[name]
+  torch.manual_seed(seed)
+  config_cls = getattr(transformers, cls.replace('ForCausalLM', 'Config'))
+  config = config_cls(num_hidden_layers=2, max_position_embeddings=64, bos_token_id=2,
+                      eos_token_id=2, pad_token_id=1, **fields)
+  model = getattr(transformers, cls)(config).eval()
+  with torch.no_grad():
+    for param_name, p in model.named_parameters():
+      p.copy_(1 + 0.1 * torch.randn_like(p) if 'norm' in param_name else 0.08 * torch.randn_like(p))
+  return model
+
+
+def _tiny_llama(root: Path, name: str) -> TinyModel:
+  model = make_hf_llama(name)
+  model.save_pretrained(root / 'hf')
+  convert(root / 'hf', root / 'ckpt', dtype='float32', progress=False)
+  return TinyModel(name, root / 'hf', root / 'ckpt', model)
+
+
+@pytest.fixture(scope='session', params=list(LLAMA_SHAPES))
+def tiny_llama(request, tmp_path_factory) -> TinyModel:
+  """Each tiny Llama/Mistral shape: HF directory (safetensors) and its fp32 flexjax checkpoint."""
+  return _tiny_llama(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope='session')
+def gqa_llama(tmp_path_factory) -> TinyModel:
+  """The 4-head, 2-KV-head tiny Llama alone, for tests that need one model."""
+  return _tiny_llama(tmp_path_factory.mktemp('gqa_single'), 'gqa_4_2')
+
+
+def llama_logits(model, ids, mask) -> np.ndarray:
+  """transformers' logits of left-padded rows, with positions counting real tokens only (as its
+  generate computes them from the attention mask)."""
+  positions = (mask.cumsum(-1) - 1).clamp(min=0)
+  with torch.no_grad():
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.numpy()
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 1):

@@ -13,7 +13,7 @@ import pytest
 from absl import flags
 
 from flexjax import flags as flags_lib
-from flexjax.config import preset
+from flexjax.config import PRESETS, preset
 from flexjax.errors import FlexjaxError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,8 +29,10 @@ def parse(*args):
 
 def test_there_is_a_flagfile_for_every_preset_and_opt30b():
   models = {parse(f'--flagfile={f}').model for f in FLAGFILES}
-  assert models == {'opt-125m', 'opt-350m', 'opt-1.3b', 'opt-2.7b', 'opt-6.7b', 'opt-13b',
-                    'opt-30b', 'opt-66b', 'opt-175b'}
+  assert models >= {'opt-125m', 'opt-350m', 'opt-1.3b', 'opt-2.7b', 'opt-6.7b', 'opt-13b',
+                    'opt-30b', 'opt-66b', 'opt-175b', 'llama-2-7b', 'llama-2-13b', 'llama-2-70b',
+                    'llama-3-8b', 'llama-3-70b', 'mistral-7b'}
+  assert models <= set(PRESETS)
   assert (REPO / 'configs' / 'opt30b.flags') in FLAGFILES
 
 

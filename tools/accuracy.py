@@ -51,8 +51,7 @@ def evaluate(checkpoint: str, variant: str, *, text: str | None, lambada: list[s
     raise FlexjaxError(f'checkpoint {checkpoint!r} has no tokenizer files; convert it from a '
                        'directory that has them')
   cfg = ckpt.config
-  tok = Tokenizer(ckpt.tokenizer_path, bos_token_id=cfg.bos_token_id,
-                  special_ids=(cfg.eos_token_id, cfg.pad_token_id))
+  tok = Tokenizer.for_model(ckpt.tokenizer_path, cfg)
   record = {'checkpoint': checkpoint, 'variant': variant, **VARIANTS[variant]}
   with Engine(ckpt, policy=Policy(gpu_batch_size=batch_size, **VARIANTS[variant]),
               compute_dtype=compute_dtype) as engine:

@@ -330,7 +330,7 @@ def work_of_accelerate(cfg, *, batch: int, prompt_len: int, gen_len: int,
   return work(cfg, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
               weight_bytes={'disk_read': disk_stored, 'host_device': to_device},
               kv_rows={'device': batch, 'host': 0, 'disk': 0},
-              kv_token_bytes=cfg.hidden_size * compute_itemsize)
+              kv_token_bytes=cfg.kv_dim * compute_itemsize)
 
 
 # ---- the roofline --------------------------------------------------------------------------------

@@ -163,14 +163,17 @@ def attend_decode(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_cache: jax
   return out.reshape(q.shape)
 
 
-def decode_qkv(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype, cache_dtype):
+def decode_qkv(params: Params, x: jax.Array, cache_mask: jax.Array, *, cfg: ModelConfig,
+               compute_dtype, cache_dtype):
   """First part of a decode step: the new token's q, k, v.
 
   Args:
-    x: [b, 1, hidden] hidden state of the new token.
+    x: [b, 1, hidden] hidden state of the new token; cache_mask: [b, t] (unused: OPT's positions
+      enter with the embedding).
   Returns:
     q [b, hidden] (scaled), k, v [b, hidden] in cache_dtype (what the cache will hold).
   """
+  del cache_mask
   p = _cast(params, compute_dtype)
   x = x.astype(compute_dtype)[:, 0]
   h = layer_norm(p.get('attn_ln', {}), x, cfg.layer_norm_eps) if cfg.do_layer_norm_before else x
@@ -250,7 +253,8 @@ def decoder_decode(params: Params, x: jax.Array, k_cache: jax.Array, v_cache: ja
   Returns:
     (y [b, 1, hidden], (k_new, v_new)) with k_new, v_new: [b, 1, hidden] in cache_dtype.
   """
-  q, k, v = decode_qkv(params, x, cfg=cfg, compute_dtype=compute_dtype, cache_dtype=cache_dtype)
+  q, k, v = decode_qkv(params, x, cache_mask, cfg=cfg, compute_dtype=compute_dtype,
+                       cache_dtype=cache_dtype)
   attn = decode_attend(q, k, v, k_cache, v_cache, cache_mask, cfg=cfg)
   y = decode_out(params, x, attn, cfg=cfg, compute_dtype=compute_dtype)
   return y, (k[:, None], v[:, None])
