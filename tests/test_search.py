@@ -96,7 +96,6 @@ def test_paper_setting_gives_feasible_policies(name):
   assert found.prediction.throughput > 0
   for tier, budget in T4_BUDGETS.items():
     assert found.planned_peak_bytes[tier] <= budget
-  assert found.seconds < 10  # typically well under 2 s on an idle machine
 
 
 def test_no_feasible_policy_names_the_short_tier():
