@@ -445,3 +445,21 @@ def test_smollm2_flagfile_plans_with_the_converted_checkpoint(smollm2, tmp_path)
       f'--hw_profile={repo / "configs/hw/cpu-2core.json"}'])
   report = run_job(flags_lib.run_config_from_flags(fv))
   assert report['fits'] is True and report['model'] == 'SmolLM2-135M-Instruct.Q4_1'
+
+
+def test_unsupported_tensor_type_is_one_line(tmp_path):
+  path = tmp_path / 'q8_1.gguf'
+  writer = gguf.GGUFWriter(path, 'llama')
+  for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 32),
+                     (writer.add_feed_forward_length, 64), (writer.add_head_count, 2)):
+    add(value)
+  block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+  writer.add_tensor('blk.0.attn_v.weight', np.zeros((32, 32 // block * size), np.uint8),
+                    raw_dtype=Q.Q8_1)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(FlexjaxError, match=r"tensor 'blk.0.attn_v.weight' has type Q8_1, which the "
+                                         r"gguf package cannot dequantize; requantize the file"):
+    gguf_import.GGUFFile(path).get('model.layers.0.self_attn.v_proj.weight')
