@@ -463,3 +463,14 @@ def test_unsupported_tensor_type_is_one_line(tmp_path):
   with pytest.raises(FlexjaxError, match=r"tensor 'blk.0.attn_v.weight' has type Q8_1, which the "
                                          r"gguf package cannot dequantize; requantize the file"):
     gguf_import.GGUFFile(path).get('model.layers.0.self_attn.v_proj.weight')
+
+
+def test_tokenizer_dir_replaces_the_built_tokenizer(tiny_gguf, tmp_path):
+  (tmp_path / 'hf').mkdir()
+  (tmp_path / 'hf' / 'tokenizer.json').write_text('{"stand-in": true}')
+  ckpt = gguf_import.convert(tiny_gguf.path, tmp_path / 'ckpt', tokenizer_dir=tmp_path / 'hf')
+  assert [p.name for p in (ckpt / 'tokenizer').iterdir()] == ['tokenizer.json']
+  assert (ckpt / 'tokenizer' / 'tokenizer.json').read_text() == '{"stand-in": true}'
+  with pytest.raises(FlexjaxError, match=r"--tokenizer_dir=.* holds none of tokenizer.json"):
+    gguf_import.convert(tiny_gguf.path, tmp_path / 'other', tokenizer_dir=tmp_path)
+  assert not (tmp_path / 'other').exists()
