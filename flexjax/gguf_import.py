@@ -116,8 +116,9 @@ class GGUFFile:
     config.setdefault('rope_theta', 10000.0)
     config['rope_theta'] = float(config['rope_theta'])
     config['rms_norm_eps'] = float(config['rms_norm_eps'])
-    config['vocab_size'] = int(self._tensors['token_embd.weight'].shape[1]) \
-        if 'token_embd.weight' in self._tensors else self.metadata(prefix + 'vocab_size')
+    embedding = self._tensors.get('token_embd.weight')  # ggml shape [hidden, vocab]
+    config['vocab_size'] = (int(embedding.shape[1]) if embedding is not None
+                            else self.metadata(prefix + 'vocab_size'))
     config['tie_word_embeddings'] = 'output.weight' not in self._tensors
     config['rope_scaling'] = self._rope_scaling(prefix)
     for name, key in (('bos_token_id', 'bos_token_id'), ('eos_token_id', 'eos_token_id'),
@@ -211,9 +212,9 @@ class GGUFFile:
     vocab = {token: index for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None,
                                      fuse_unk=False, byte_fallback=False))
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if 'digits' in _PRE_TOKENIZERS[pre] \
-        else []
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if 'digits' in _PRE_TOKENIZERS[pre]:
+      steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.ByteLevel()
     types = self.metadata('tokenizer.ggml.token_type') or [1] * len(tokens)
@@ -244,12 +245,15 @@ class GGUFFile:
 
 
 def convert(path: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 'float32',
-            overwrite: bool = False, progress: bool = False) -> Path:
+            tokenizer_dir: str | os.PathLike | None = None, overwrite: bool = False,
+            progress: bool = False) -> Path:
   """Converts a llama GGUF file into a flexjax checkpoint (weights and tokenizer).
 
   Args:
     dtype: stored dtype. 'float32' (the default, also for 'source') keeps the dequantized values
       exactly, as transformers dequantizes them; 'float16'/'bfloat16' round them.
+    tokenizer_dir: an HF folder whose tokenizer files (tokenizer.json, ...) are used instead of
+      the tokenizer built from the file's vocabulary.
   Returns:
     The checkpoint path (complete: written to a temporary directory, then renamed).
   """
@@ -261,10 +265,22 @@ def convert(path: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
   source = GGUFFile(path)
   cfg = ModelConfig.from_hf_config(source.config, name=Path(path).name.removesuffix('.gguf'))
   with tempfile.TemporaryDirectory(prefix='flexjax-gguf-tokenizer-') as folder:
-    files = source.write_tokenizer(folder) if source.has_tokenizer() else []
+    if tokenizer_dir is not None:
+      files = _tokenizer_files(Path(tokenizer_dir))
+    else:
+      files = source.write_tokenizer(folder) if source.has_tokenizer() else []
     return convert_tensors(cfg, source.get, output,
                            dtype='float32' if dtype == 'source' else dtype,
                            tokenizer_files=files, overwrite=overwrite, progress=progress)
+
+
+def _tokenizer_files(folder: Path) -> list[Path]:
+  from flexjax.hf_import import TOKENIZER_FILES
+  files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+  if not files:
+    raise FlexjaxError(f'--tokenizer_dir={str(folder)!r} holds none of {", ".join(TOKENIZER_FILES)}'
+                       '; give the HF folder of the model\'s tokenizer')
+  return files
 
 
 def _hf_tensor_name(gguf_name: str) -> str:

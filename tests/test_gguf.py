@@ -224,13 +224,17 @@ def hf_tokenizer(path: Path):
 
 def _assert_tokenizer_equals_transformers(path: Path, folder: Path, theirs,
                                           extra: tuple[str, ...] = ()):
-  import tokenizers
-  gguf_import.GGUFFile(path).write_tokenizer(folder)
-  ours = tokenizers.Tokenizer.from_file(str(folder / 'tokenizer.json'))
+  """flexjax's Tokenizer on the files written from the GGUF gives transformers' ids (BOS as the
+  file says) and decodes them back."""
+  from flexjax.config import ModelConfig
+  from flexjax.tokenizer import Tokenizer
+  reader = gguf_import.GGUFFile(path)
+  reader.write_tokenizer(folder)
+  ours = Tokenizer.for_model(folder, ModelConfig.from_hf_config(reader.config))
   for text in [*TOKENIZER_TEXTS, *extra]:
-    ids = ours.encode(text, add_special_tokens=False).ids
-    assert ids == theirs.encode(text, add_special_tokens=False), text
-    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids), text
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text), text
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
 
 
 # ---- SmolLM2-135M-Instruct (Q4_1): the real file -------------------------------------------
@@ -441,3 +445,32 @@ def test_smollm2_flagfile_plans_with_the_converted_checkpoint(smollm2, tmp_path)
       f'--hw_profile={repo / "configs/hw/cpu-2core.json"}'])
   report = run_job(flags_lib.run_config_from_flags(fv))
   assert report['fits'] is True and report['model'] == 'SmolLM2-135M-Instruct.Q4_1'
+
+
+def test_unsupported_tensor_type_is_one_line(tmp_path):
+  path = tmp_path / 'q8_1.gguf'
+  writer = gguf.GGUFWriter(path, 'llama')
+  for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 32),
+                     (writer.add_feed_forward_length, 64), (writer.add_head_count, 2)):
+    add(value)
+  block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+  writer.add_tensor('blk.0.attn_v.weight', np.zeros((32, 32 // block * size), np.uint8),
+                    raw_dtype=Q.Q8_1)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  with pytest.raises(FlexjaxError, match=r"tensor 'blk.0.attn_v.weight' has type Q8_1, which the "
+                                         r"gguf package cannot dequantize; requantize the file"):
+    gguf_import.GGUFFile(path).get('model.layers.0.self_attn.v_proj.weight')
+
+
+def test_tokenizer_dir_replaces_the_built_tokenizer(tiny_gguf, tmp_path):
+  (tmp_path / 'hf').mkdir()
+  (tmp_path / 'hf' / 'tokenizer.json').write_text('{"stand-in": true}')
+  ckpt = gguf_import.convert(tiny_gguf.path, tmp_path / 'ckpt', tokenizer_dir=tmp_path / 'hf')
+  assert [p.name for p in (ckpt / 'tokenizer').iterdir()] == ['tokenizer.json']
+  assert (ckpt / 'tokenizer' / 'tokenizer.json').read_text() == '{"stand-in": true}'
+  with pytest.raises(FlexjaxError, match=r"--tokenizer_dir=.* holds none of tokenizer.json"):
+    gguf_import.convert(tiny_gguf.path, tmp_path / 'other', tokenizer_dir=tmp_path)
+  assert not (tmp_path / 'other').exists()

