@@ -31,6 +31,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_string('prompt_file', None, 'Prompts: .txt (one per line, needs a tokenizer) or '
                       '.jsonl ({"prompt": text} or {"tokens": [ids]} per line). Default: '
                       'synthetic prompts of --prompt_len tokens.', **f)
+  flags.DEFINE_bool('chat', False, 'Send each text prompt of --prompt_file as the user\'s message '
+                    'through the checkpoint\'s chat template (instruction-tuned models).', **f)
   flags.DEFINE_integer('prompt_len', 128, 'Length of synthetic prompts (BOS included).', **f)
   flags.DEFINE_integer('num_prompts', None, 'Number of synthetic prompts (default: one block, '
                        'gpu_batch_size x num_gpu_batches).', **f)
@@ -126,6 +128,9 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   if fv.input and fv.prompt_file:
     raise FlexjaxError(f'--input={fv.input!r} and --prompt_file={fv.prompt_file!r} are both '
                        'given; a job reads its prompts from --input alone: drop --prompt_file')
+  if fv.chat and not fv.prompt_file:
+    raise FlexjaxError('--chat applies to the text prompts of --prompt_file; give one, or drop '
+                       '--chat')
   if fv.weights == 'checkpoint' and not fv.checkpoint:
     raise FlexjaxError('--weights=checkpoint needs --checkpoint=PATH (a converted checkpoint)')
   if fv.weights == 'dummy' and fv.checkpoint:
@@ -139,7 +144,7 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       model=fv.model if (fv.weights == 'dummy' or fv['model'].present) else None,
       weights=fv.weights, checkpoint=fv.checkpoint, dummy_seed=fv.dummy_seed,
       dtype=fv.dtype, compute_dtype=fv.compute_dtype, cache_dtype=fv.cache_dtype,
-      prompt_file=fv.prompt_file, prompt_len=fv.prompt_len,
+      prompt_file=fv.prompt_file, chat=fv.chat, prompt_len=fv.prompt_len,
       num_prompts=fv.num_prompts, generation=gen, policy=policy, policy_mode=fv.policy,
       hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds,
       max_block_size=fv.max_block_size, dry_run=fv.dry_run,

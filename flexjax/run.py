@@ -39,6 +39,7 @@ class RunConfig:
   compute_dtype: str | None = None  # None: hardware.default_compute_dtype of the device
   cache_dtype: str | None = None
   prompt_file: str | None = None
+  chat: bool = False  # text prompts go through the tokenizer's chat template as user messages
   prompt_len: int = 128
   num_prompts: int | None = None  # synthetic prompts; None: one block of the policy
   generation: GenerationConfig = GenerationConfig()
@@ -87,8 +88,10 @@ def synthetic_prompts(cfg: config_lib.ModelConfig, num: int, length: int, seed: 
   return [[cfg.bos_token_id] + row.tolist() for row in body]
 
 
-def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | None):
-  """Reads prompts from .txt (one per line) or .jsonl ({"prompt": ...} or {"tokens": [...]})."""
+def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | None, *,
+                 chat: bool = False):
+  """Reads prompts from .txt (one per line) or .jsonl ({"prompt": ...} or {"tokens": [...]});
+  with chat, each text prompt is the user's message through the chat template."""
   from flexjax.job import read_text
   p = Path(path)
   lines = [line for line in read_text(path, 'prompt_file').splitlines() if line.strip()]
@@ -120,7 +123,7 @@ def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | 
                          '(dummy weights, or a checkpoint converted without tokenizer files); '
                          'give token ids as .jsonl lines {"tokens": [...]}')
     texts.append(text)
-    prompts.append(tokenizer.encode(text))
+    prompts.append(tokenizer.encode_chat(text) if chat else tokenizer.encode(text))
   longest = max(len(ids) for ids in prompts)
   if longest > cfg.max_positions:
     raise FlexjaxError(f'--prompt_file={path!r} has a prompt of {longest} tokens but '
@@ -291,7 +294,7 @@ def run(rc: RunConfig) -> dict[str, Any]:
   st = setup(rc)
   cfg, tokenizer = st.cfg, st.tokenizer
   if rc.prompt_file:
-    prompts, texts = load_prompts(rc.prompt_file, cfg, tokenizer)
+    prompts, texts = load_prompts(rc.prompt_file, cfg, tokenizer, chat=rc.chat)
     prompt_len = max(len(p) for p in prompts)
   else:
     if rc.prompt_len > cfg.max_positions:

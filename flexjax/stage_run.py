@@ -241,7 +241,7 @@ def _prompts(rc, cfg, tokenizer):
   the prompt length), the length checked against the model's positions."""
   from flexjax import run as run_lib
   if rc.prompt_file:
-    prompts, texts = run_lib.load_prompts(rc.prompt_file, cfg, tokenizer)
+    prompts, texts = run_lib.load_prompts(rc.prompt_file, cfg, tokenizer, chat=rc.chat)
     prompt_len = max(len(p) for p in prompts)
   else:
     prompts, texts, prompt_len = None, None, rc.prompt_len

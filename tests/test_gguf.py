@@ -431,7 +431,7 @@ def test_smollm2_perplexity_equals_transformers(smollm2, smollm2_hf, smollm2_tok
 
 def test_smollm2_flagfile_plans_with_the_converted_checkpoint(smollm2, tmp_path):
   """configs/gguf/smollm2-135m.flags as shipped, with the checkpoint and output moved to this
-  test's folders: it parses, reads its chat prompts through the checkpoint's tokenizer and
+  test's folders: it parses, renders its questions through the checkpoint's chat template and
   plans (--dry_run)."""
   from absl import flags
   from flexjax import flags as flags_lib
@@ -441,10 +441,22 @@ def test_smollm2_flagfile_plans_with_the_converted_checkpoint(smollm2, tmp_path)
   flags_lib.define_flags(fv)
   fv(['flexjax', f'--flagfile={repo / "configs/gguf/smollm2-135m.flags"}',
       f'--checkpoint={smollm2.ckpt}', f'--output={tmp_path / "answers.jsonl"}',
-      f'--prompt_file={repo / "configs/gguf/smollm2-chat.jsonl"}', '--dry_run', '--noprogress',
+      '--dry_run', '--noprogress',
       f'--hw_profile={repo / "configs/hw/cpu-2core.json"}'])
   report = run_job(flags_lib.run_config_from_flags(fv))
   assert report['fits'] is True and report['model'] == 'SmolLM2-135M-Instruct.Q4_1'
+
+
+def test_chat_prompts_equal_transformers_chat_template(smollm2, smollm2_tokenizer):
+  """--chat: a question as the user's message through the checkpoint's chat template gives the
+  ids of transformers' apply_chat_template on the GGUF's own tokenizer."""
+  from flexjax.tokenizer import Tokenizer
+  ckpt = Checkpoint(smollm2.ckpt)
+  ours = Tokenizer.for_model(ckpt.tokenizer_path, ckpt.config)
+  for question in ('What is the capital of France?', 'Écris un haïku.\nDeux lignes.', ' x '):
+    text = smollm2_tokenizer.apply_chat_template(
+        [{'role': 'user', 'content': question}], add_generation_prompt=True, tokenize=False)
+    assert ours.encode_chat(question) == smollm2_tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_unsupported_tensor_type_is_one_line(tmp_path):

@@ -4,6 +4,7 @@ does not know fails the test, so a new README command comes with its check."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -45,7 +46,8 @@ def is_set_up(argv: list[str]) -> bool:
 def _key(argv: list[str]) -> str:
   """Which README command this is: its module and the flag that tells it apart."""
   module = argv[2] if argv[:2] == ['python', '-m'] else argv[0]
-  for flag in ('--process_id=0', '--process_id=1', '--hf_dir', '--model_args', '--render', '--plot', '--folder', '--flagfile',
+  for flag in ('--process_id=0', '--process_id=1', '--cache_dir', '--gguf',
+               '--flagfile=configs/gguf', '--hf_dir', '--model_args', '--render', '--plot', '--folder', '--flagfile',
                '--prompt_file', '--input', '--dry_run', '--model=', '--output='):
     if any(a.startswith(flag) for a in argv):
       return f'{module} {flag.rstrip("=")}'
@@ -67,6 +69,9 @@ RUNS = {
     'tools.suite --plot': 'the PNG written to a temporary folder',
     'tools.roofline --folder': 'as is',
     'flexjax.launch --flagfile': 'as is',
+    'tools.fetch_gguf --cache_dir': 'as is (the file the GGUF tests fetched, found by checksum)',
+    'tools.convert_hf --gguf': 'as is',
+    'flexjax.main --flagfile=configs/gguf': 'as is',
     'flexjax.launch --dry_run': 'as is',
     'flexjax.launch --process_id=0': 'both hosts on this one: 10.0.0.1 is 127.0.0.1, a free port',
     'flexjax.launch --process_id=1': 'both hosts on this one: 10.0.0.1 is 127.0.0.1, a free port',
@@ -177,3 +182,16 @@ def test_the_pipeline_launches_run_as_written_and_across_hosts_on_localhost(work
   assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
   assert 'pipeline_stages' in outs[0][0] and 'total_tok_s' in outs[0][0]
   assert 'pipeline_stages' not in outs[1][0]  # stage 0 reports
+
+
+def test_the_real_model_example_runs_as_written(workdir):
+  from tools import fetch_gguf
+  cached = fetch_gguf.fetch_smollm2()  # downloaded once per machine (tests/test_gguf.py too)
+  (workdir / 'models').mkdir()
+  (workdir / 'models' / cached.name).symlink_to(cached)
+  for key in ('tools.fetch_gguf --cache_dir', 'tools.convert_hf --gguf',
+              'flexjax.main --flagfile=configs/gguf'):
+    _run(by_key(key), workdir)
+  answers = [json.loads(line) for line in (workdir / 'smollm2-answers.jsonl').read_text()
+             .splitlines()]
+  assert len(answers) == 4 and 'Paris' in answers[0]['output'], answers[0]
