@@ -83,6 +83,8 @@ def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage
       array = whole[lo:hi]
       if slot.tier == 'device':
         storage.reserve('device', slot.resident, 'weights.resident')
+        if hi - lo < len(whole):  # a CPU backend may alias the array: keep only these rows
+          array = np.array(array, copy=True)
         value = jax.device_put(array, storage.device).block_until_ready()  # as stored
       else:
         value = storage.host_array(array.shape, array.dtype, 'weights.host')
