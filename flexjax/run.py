@@ -320,7 +320,15 @@ def run(rc: RunConfig) -> dict[str, Any]:
   measured = st.watch.peaks()
   if rc.output:
     write_outputs(rc.output, prompts, texts, result, tokenizer)
+  elif rc.prompt_file and tokenizer is not None:
+    show_outputs(texts, result, tokenizer)
   return {**head, **report(rc, engine, result, measured)}
+
+
+def show_outputs(texts, result: GenerationResult, tokenizer: Tokenizer) -> None:
+  """Prints each text prompt and what was generated for it (a run without --output)."""
+  for text, seq in zip(texts, result.sequences):
+    print(f'>>> {text}\n{tokenizer.decode(seq).strip()}\n', flush=True)
 
 
 def _prediction_fields(prediction: cost_model.Prediction | None) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import numpy as np
 
 from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
-from flexjax.hf_import import hf_name
+from flexjax.hf_import import hf_key
 from flexjax.model import params as params_lib
 from flexjax.weights import DummyWeights
 
@@ -49,25 +49,38 @@ def check_available() -> None:
 
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-  """The config.json of an HF OPT model with flexjax's shapes."""
-  return {
-      'model_type': 'opt', 'architectures': ['OPTForCausalLM'], 'activation_function': 'relu',
+  """The config.json of an HF model (OPT or Llama) with flexjax's shapes."""
+  common = {
       'hidden_size': cfg.hidden_size, 'num_hidden_layers': cfg.num_layers,
-      'num_attention_heads': cfg.num_heads, 'ffn_dim': cfg.ffn_dim, 'vocab_size': cfg.vocab_size,
-      'max_position_embeddings': cfg.max_positions, 'word_embed_proj_dim': cfg.embed_dim,
+      'num_attention_heads': cfg.num_heads, 'vocab_size': cfg.vocab_size,
+      'max_position_embeddings': cfg.max_positions, 'pad_token_id': cfg.pad_token_id,
+      'bos_token_id': cfg.bos_token_id, 'eos_token_id': cfg.eos_token_id, 'dtype': dtype,
+      'attention_dropout': 0.0, 'use_cache': True,
+  }
+  if cfg.family == 'llama':
+    return {
+        **common, 'model_type': 'llama', 'architectures': ['LlamaForCausalLM'],
+        'hidden_act': 'silu', 'intermediate_size': cfg.ffn_dim,
+        'num_key_value_heads': cfg.kv_heads, 'head_dim': cfg.head_dim,
+        'rope_theta': cfg.rope_theta, 'rms_norm_eps': cfg.rms_norm_eps,
+        'rope_scaling': dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        'tie_word_embeddings': cfg.tie_word_embeddings, 'attention_bias': False,
+        'mlp_bias': False,
+    }
+  return {
+      **common, 'model_type': 'opt', 'architectures': ['OPTForCausalLM'],
+      'activation_function': 'relu', 'ffn_dim': cfg.ffn_dim, 'word_embed_proj_dim': cfg.embed_dim,
       'do_layer_norm_before': cfg.do_layer_norm_before, 'enable_bias': cfg.enable_bias,
       '_remove_final_layer_norm': not cfg.final_layer_norm,
-      'layer_norm_elementwise_affine': cfg.layer_norm_affine,
-      'pad_token_id': cfg.pad_token_id, 'bos_token_id': cfg.bos_token_id,
-      'eos_token_id': cfg.eos_token_id, 'tie_word_embeddings': True, 'dtype': dtype,
-      'dropout': 0.0, 'attention_dropout': 0.0, 'use_cache': True,
+      'layer_norm_elementwise_affine': cfg.layer_norm_affine, 'tie_word_embeddings': True,
+      'dropout': 0.0,
   }
 
 
 def export_dummy_checkpoint(cfg: ModelConfig, directory: str | os.PathLike, *,
                             dtype: str = 'bfloat16', seed: int = 0,
                             shard_bytes: int = 2**30) -> Path:
-  """Writes flexjax's dummy weights of `cfg` as an HF OPT checkpoint (config.json, safetensors
+  """Writes flexjax's dummy weights of `cfg` as an HF checkpoint (config.json, safetensors
   shards and their index) unless `directory` already holds one. The folder appears complete or
   not at all (written beside it, then renamed)."""
   import torch
@@ -93,9 +106,9 @@ def export_dummy_checkpoint(cfg: ModelConfig, directory: str | os.PathLike, *,
 
     for stage in params_lib.stage_names(cfg):
       for path, array in params_lib.flatten(source.read(stage)).items():
-        name, transpose = hf_name(stage, path)
+        name, transpose = hf_key(cfg, stage, path)
         value = np.ascontiguousarray(array.T if transpose else array)
-        shard[f'model.{name}'] = torch.from_numpy(value).to(getattr(torch, dtype))
+        shard[name] = torch.from_numpy(value).to(getattr(torch, dtype))
       if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
         flush()
     if shard:
