@@ -18,6 +18,7 @@ import numpy as np
 
 from flexjax import quant as quant_lib
 from flexjax.config import ModelConfig, np_dtype
+from flexjax.model import attention
 from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
 from flexjax.policy import Policy
@@ -138,8 +139,8 @@ class Steps:
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
     self.decode_back = jax.jit(functools.partial(decode_back, **attend_kw,
                                                  compute_dtype=self.compute))
-    self.offloaded_attend = jax.jit(functools.partial(model.decode_attend, **attend_kw))
-    self.offloaded_select = jax.jit(functools.partial(model.decode_select, **attend_kw),
+    self.offloaded_attend = jax.jit(functools.partial(attention.decode_attend, **attend_kw))
+    self.offloaded_select = jax.jit(functools.partial(attention.decode_select, **attend_kw),
                                     static_argnames=('keep',))
     # Whole-prompt scoring (Engine.score), weight loading and placing.
     self.prefill = jax.jit(functools.partial(model.decoder_prefill, **kw, cache_dtype=self.cache))
@@ -397,9 +398,8 @@ def decode_front(params, x, caches, mask, slot, k_loaded, *, cfg: ModelConfig, c
     out['attn'] = _attend(q[:d], k[:d], v[:d], *caches, mask[:d], cfg=cfg,
                           cache_quant=cache_quant, keep=keep)
   if k_loaded is not None:
-    out['scores'], out['positions'] = model.decode_select(q[d:], k[d:], k_loaded, mask[d:],
-                                                          cfg=cfg, keep=keep,
-                                                          cache_quant=cache_quant)
+    out['scores'], out['positions'] = attention.decode_select(
+        q[d:], k[d:], k_loaded, mask[d:], cfg=cfg, keep=keep, cache_quant=cache_quant)
   return out
 
 
@@ -409,8 +409,7 @@ def decode_back(params, x, attn, offloaded, *, cfg: ModelConfig, compute_dtype,
   hidden], or sparse from (scores, positions, kept V rows, new v)), joined to the device rows'
   `attn` (or None), then the output projection and the MLP. -> y [b, 1, hidden]."""
   if isinstance(offloaded, tuple):
-    offloaded = layers(cfg).decode_attend_selected(*offloaded, cfg=cfg,
-                                                   cache_quant=cache_quant)
+    offloaded = attention.decode_attend_selected(*offloaded, cfg=cfg, cache_quant=cache_quant)
   parts = [offloaded] if attn is None else [attn, offloaded]
   return layers(cfg).decode_out(params, x, _join(parts), cfg=cfg, compute_dtype=compute_dtype)
 
@@ -438,12 +437,12 @@ def _attend(q, k, v, k_cache, v_cache, mask, *, cfg: ModelConfig,
             cache_quant: QuantConfig | None, keep: int | None):
   """Dense attention of rows over their cache, or sparse: scores against all of K, then only the
   `keep` selected V rows."""
-  model = layers(cfg)
   if keep is None:
-    return model.decode_attend(q, k, v, k_cache, v_cache, mask, cfg=cfg, cache_quant=cache_quant)
-  scores, positions = model.decode_select(q, k, k_cache, mask, cfg=cfg, keep=keep,
+    return attention.decode_attend(q, k, v, k_cache, v_cache, mask, cfg=cfg,
+                                   cache_quant=cache_quant)
+  scores, positions = attention.decode_select(q, k, k_cache, mask, cfg=cfg, keep=keep,
                                           cache_quant=cache_quant)
-  return model.decode_attend_selected(scores, positions, _take_rows(v_cache, positions), v,
+  return attention.decode_attend_selected(scores, positions, _take_rows(v_cache, positions), v,
                                       cfg=cfg, cache_quant=cache_quant)
 
 

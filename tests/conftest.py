@@ -13,8 +13,9 @@ torch = pytest.importorskip('torch')  # CI installs the test extras; this only g
 transformers = pytest.importorskip('transformers')
 
 from flexjax.checkpoint import Checkpoint  # noqa: E402
-from flexjax.engine import Engine  # noqa: E402
+from flexjax.engine import Engine, GenerationConfig  # noqa: E402
 from flexjax.hf_import import convert  # noqa: E402
+from flexjax.policy import Policy  # noqa: E402
 
 # name -> OPTConfig fields. Shapes cover pre/post LayerNorm, project_in/out (350m style), an odd
 # head count and vocabularies that are not multiples of 8.
@@ -164,6 +165,33 @@ PROMPTS = [[2, 17, 400, 33, 9, 250, 71], [2, 5, 6], [2, 900, 11, 12, 13], [2, 44
 def hf_logits(model, ids, mask) -> np.ndarray:
   with torch.no_grad():
     return model(input_ids=ids, attention_mask=mask).logits.numpy()
+
+
+def assert_prefill_matches(model: TinyModel, reference) -> None:
+  """The engine's prompt logits against reference(torch_model, ids, mask) at every real token,
+  within 1e-4 (fp32)."""
+  ids, mask = left_pad(PROMPTS)
+  ref = reference(model.torch_model, ids, mask)
+  ours = model.engine().score(ids.numpy(), mask.numpy().astype(bool))
+  valid = mask.numpy().astype(bool)
+  assert ours.shape == ref.shape
+  np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-4, rtol=0)
+
+
+def assert_decode_steps_match(model: TinyModel, reference, gen_len: int = 6) -> None:
+  """The engine's logits at every decode step (block of 4 sequences) against reference's on
+  prompt + generated tokens in one pass (position s - 1 + t predicts step t), within 1e-4, and
+  its greedy tokens equal to their argmax."""
+  result = model.engine(policy=Policy(gpu_batch_size=4)).generate(
+      PROMPTS, GenerationConfig(gen_len=gen_len, stop_at_eos=False), return_logits=True)
+  ids, mask = left_pad(PROMPTS)
+  s = ids.shape[1]
+  full_ids = torch.cat([ids, torch.tensor(result.tokens[:, :-1])], dim=1)
+  full_mask = torch.cat([mask, torch.ones(len(PROMPTS), gen_len - 1, dtype=mask.dtype)], dim=1)
+  ref = reference(model.torch_model, full_ids, full_mask)[:, s - 1:]
+  assert result.logits.shape == ref.shape
+  np.testing.assert_allclose(result.logits, ref, atol=1e-4, rtol=0)
+  np.testing.assert_array_equal(result.tokens, ref.argmax(-1))
 
 
 @pytest.fixture(autouse=True, scope='session')

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS, left_pad, llama_logits
+from conftest import (PROMPTS, assert_decode_steps_match, assert_prefill_matches, left_pad,
+                      llama_logits)
 from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig, preset
 from flexjax.engine import GenerationConfig
@@ -31,25 +32,11 @@ def test_decode_positions_count_real_cached_tokens():
 
 
 def test_prefill_logits_match_transformers(tiny_llama):
-  ids, mask = left_pad(PROMPTS)
-  ref = llama_logits(tiny_llama.torch_model, ids, mask)
-  ours = tiny_llama.engine().score(ids.numpy(), mask.numpy().astype(bool))
-  valid = mask.numpy().astype(bool)
-  assert ours.shape == ref.shape
-  np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-4, rtol=0)
+  assert_prefill_matches(tiny_llama, llama_logits)
 
 
 def test_every_decode_step_logits_match_transformers(tiny_llama):
-  gen_len = 6
-  result = tiny_llama.engine(policy=Policy(gpu_batch_size=4)).generate(
-      PROMPTS, GenerationConfig(gen_len=gen_len, stop_at_eos=False), return_logits=True)
-  ids, mask = left_pad(PROMPTS)
-  s = ids.shape[1]
-  full_ids = torch.cat([ids, torch.tensor(result.tokens[:, :-1])], dim=1)
-  full_mask = torch.cat([mask, torch.ones(len(PROMPTS), gen_len - 1, dtype=mask.dtype)], dim=1)
-  ref = llama_logits(tiny_llama.torch_model, full_ids, full_mask)[:, s - 1:]
-  np.testing.assert_allclose(result.logits, ref, atol=1e-4, rtol=0)
-  np.testing.assert_array_equal(result.tokens, ref.argmax(-1))
+  assert_decode_steps_match(tiny_llama, llama_logits)
 
 
 def test_greedy_tokens_match_transformers_generate(gqa_llama):

@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS, hf_logits, left_pad
-from flexjax.engine import GenerationConfig
-from flexjax.policy import Policy
+from conftest import (PROMPTS, assert_decode_steps_match, assert_prefill_matches, hf_logits,
+                      left_pad)
 from flexjax.model import opt
 
 
@@ -30,27 +29,11 @@ def test_positions_follow_the_attention_mask():
 
 
 def test_prefill_logits_match_transformers(tiny):
-  ids, mask = left_pad(PROMPTS)
-  ref = hf_logits(tiny.torch_model, ids, mask)
-  ours = tiny.engine().score(ids.numpy(), mask.numpy().astype(bool))
-  valid = mask.numpy().astype(bool)
-  assert ours.shape == ref.shape
-  np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-4, rtol=0)
+  assert_prefill_matches(tiny, hf_logits)
 
 
 def test_every_decode_step_logits_match_transformers(tiny):
-  gen_len = 6
-  result = tiny.engine(policy=Policy(gpu_batch_size=4)).generate(
-      PROMPTS, GenerationConfig(gen_len=gen_len, stop_at_eos=False), return_logits=True)
-  ids, mask = left_pad(PROMPTS)
-  s = ids.shape[1]
-  # Feed prompt + generated tokens to transformers in one pass: position s-1+t predicts step t.
-  full_ids = torch.cat([ids, torch.tensor(result.tokens[:, :-1])], dim=1)
-  full_mask = torch.cat([mask, torch.ones(len(PROMPTS), gen_len - 1, dtype=mask.dtype)], dim=1)
-  ref = hf_logits(tiny.torch_model, full_ids, full_mask)[:, s - 1:]
-  assert result.logits.shape == ref.shape
-  np.testing.assert_allclose(result.logits, ref, atol=1e-4, rtol=0)
-  np.testing.assert_array_equal(result.tokens, ref.argmax(-1))
+  assert_decode_steps_match(tiny, hf_logits)
 
 
 @pytest.mark.parametrize('compute_dtype', ['bfloat16', 'float16'])

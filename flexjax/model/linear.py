@@ -57,6 +57,12 @@ def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   return total.reshape(*lead, cols)
 
 
+def layer(p: dict, x: jax.Array) -> jax.Array:
+  """A dense layer {'kernel': [in, out], optionally 'bias': [out]} on x, in x's dtype."""
+  y = dense(x, p['kernel'], x.dtype)
+  return y + p['bias'] if 'bias' in p else y
+
+
 def dense_transposed(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   """x [..., i] against w [o, i] (a tied embedding as the LM head): [..., o] in `dtype`, w cast
   a tile of its rows (outputs) at a time."""

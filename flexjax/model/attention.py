@@ -1,0 +1,150 @@
+"""Attention over a KV cache, shared by every model family: grouped-query attention with
+cfg.kv_heads KV heads, each serving num_heads // kv_heads query heads (query head i uses KV head
+i // group, as HF's repeat_kv). Multi-head attention (OPT) is the case kv_heads == num_heads.
+
+A cache row holds one token's K (or V) of one layer: [kv_heads * head_dim], head-major, in the
+cache dtype or as quantized byte rows. These functions run on whichever backend holds the cache
+rows (the device, or the CPU backend next to a host cache). Queries arrive scaled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flexjax.config import ModelConfig
+from flexjax.quant import Packed, QuantConfig, dequantize, unpack
+
+Params = dict
+
+
+def cast_params(tree: Params, dtype) -> Params:
+  """Vectors in the compute dtype and quantized tensors dequantized into it, here, right before
+  use; other matrices stay as stored (cast where they are used, model/linear.py)."""
+  return jax.tree_util.tree_map(
+      lambda a: (unpack(a, dtype) if isinstance(a, Packed)
+                 else a.astype(dtype) if a.ndim < 2 else a), tree,
+      is_leaf=lambda a: isinstance(a, Packed))
+
+
+def load_cache(cache: jax.Array, dtype, cfg: ModelConfig, quant: QuantConfig | None) -> jax.Array:
+  """A cache array in `dtype`: [b, t, kv_dim], dequantized from byte rows if quant is given."""
+  if quant is None:
+    return cache.astype(dtype)
+  return dequantize(cache, cfg.kv_dim, quant, dtype)
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
+  """Softmax in float32 along `axis`; masked entries get probability 0 (rows never NaN)."""
+  scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(scores, axis=axis)
+
+
+def heads(x: jax.Array, n: int, cfg: ModelConfig) -> jax.Array:
+  """[..., n * head_dim] -> [..., n, head_dim]."""
+  return x.reshape(*x.shape[:-1], n, cfg.head_dim)
+
+
+def groups(q: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Queries [..., q_dim] -> [..., kv_heads, group, head_dim]."""
+  return q.reshape(*q.shape[:-1], cfg.kv_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim)
+
+
+def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                   cfg: ModelConfig) -> jax.Array:
+  """Causal attention of whole prompts over themselves.
+
+  Args:
+    q: [b, s, q_dim] (scaled); k, v: [b, s, kv_dim] in q's dtype.
+    mask: [b, s] bool, True for real tokens (prompts are left-padded).
+  Returns:
+    [b, s, q_dim] attention output (before the output projection), in q's dtype.
+  """
+  s = q.shape[1]
+  causal = jnp.tril(jnp.ones((s, s), bool))
+  allowed = (causal[None] & mask[:, None, :])[:, None, None]  # [b, 1, 1, q, t]
+  kh, vh = heads(k, cfg.kv_heads, cfg), heads(v, cfg.kv_heads, cfg)  # [b, t, kv, d]
+  scores = jnp.einsum('bqkgd,btkd->bkgqt', groups(q, cfg), kh)
+  probs = masked_softmax(scores, allowed, axis=-1).astype(q.dtype)
+  return jnp.einsum('bkgqt,btkd->bqkgd', probs, vh).reshape(q.shape)
+
+
+def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: ModelConfig):
+  """Scores of one new query per sequence over its cache and itself: [b, t + 1, num_heads], the
+  new token last. q [b, q_dim]; k_new [b, kv_dim]; k_cache [b, t, kv_dim], all in q's dtype."""
+  qg = groups(q, cfg)  # [b, kv, g, d]
+  kc = heads(k_cache, cfg.kv_heads, cfg)  # [b, t, kv, d]
+  # Products and sums rather than einsums: with one query per sequence these are matrix-vector
+  # products, which XLA:CPU runs 2x faster as fused multiply-reduce than as batched matmuls.
+  past = jnp.sum(qg[:, None] * kc[:, :, :, None], axis=-1)  # [b, t, kv, g]
+  new = jnp.sum(qg * heads(k_new, cfg.kv_heads, cfg)[:, :, None], axis=-1)[:, None]
+  scores = jnp.concatenate([past, new], axis=1)  # [b, t + 1, kv, g]
+  return scores.reshape(*scores.shape[:2], cfg.num_heads)
+
+
+def weighted_values(probs: jax.Array, v_rows: jax.Array, v_new: jax.Array, cfg: ModelConfig):
+  """probs [b, t + 1, num_heads] over v_rows [b, t, kv_dim] and the new v [b, kv_dim]
+  -> [b, q_dim]."""
+  g = cfg.num_heads // cfg.kv_heads
+  pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)[..., None]  # [b, t + 1, kv, g, 1]
+  vc = heads(v_rows, cfg.kv_heads, cfg)[:, :, :, None]  # [b, t, kv, 1, d]
+  out = jnp.sum(pg[:, :-1] * vc, axis=1) + pg[:, -1] * heads(v_new, cfg.kv_heads, cfg)[:, :, None]
+  return out.reshape(out.shape[0], cfg.q_dim)
+
+
+def _with_new(cache_mask: jax.Array) -> jax.Array:
+  """[b, t] -> [b, t + 1]: the cache's mask and the new token, always allowed."""
+  return jnp.concatenate([cache_mask, jnp.ones_like(cache_mask[:, :1])], axis=1)
+
+
+def attend_decode(q, k_new, v_new, k_cache, v_cache, cache_mask, *, cfg: ModelConfig):
+  """Attention of one new token over the cached positions plus itself. The cache is never
+  concatenated with the new entry (no copy of the cache): the new key's scores are appended to
+  the cached ones and its value added to the weighted sum. q [b, q_dim]; k_new, v_new
+  [b, kv_dim]; caches [b, t, kv_dim]; cache_mask [b, t] bool. Returns [b, q_dim] in q's dtype."""
+  dtype = q.dtype
+  scores = decode_scores(q, k_new, k_cache.astype(dtype), cfg)
+  probs = masked_softmax(scores, _with_new(cache_mask)[:, :, None], axis=1).astype(dtype)
+  return weighted_values(probs, v_cache.astype(dtype), v_new, cfg)
+
+
+def decode_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
+                  v_cache: jax.Array, cache_mask: jax.Array, *, cfg: ModelConfig,
+                  cache_quant: QuantConfig | None = None) -> jax.Array:
+  """Middle part of a decode step: dense attention over stored cache rows (byte rows when
+  cache_quant is given)."""
+  kc = load_cache(k_cache, q.dtype, cfg, cache_quant)
+  vc = load_cache(v_cache, q.dtype, cfg, cache_quant)
+  return attend_decode(q, k.astype(q.dtype), v.astype(q.dtype), kc, vc, cache_mask, cfg=cfg)
+
+
+def decode_select(q: jax.Array, k: jax.Array, k_cache: jax.Array, cache_mask: jax.Array, *,
+                  cfg: ModelConfig, keep: int, cache_quant: QuantConfig | None = None):
+  """Sparse attention, first half: scores against every cached K, then the `keep` positions
+  per sequence whose largest attention probability over the heads is highest.
+
+  Positions are chosen per sequence (shared by the heads, unlike the paper's per-head choice), so
+  only `keep` whole rows of V need to be read, which also works for a quantized cache.
+  Returns (scores [b, t + 1, num_heads] float32, new token last, masked; positions [b, keep]).
+  """
+  kc = load_cache(k_cache, q.dtype, cfg, cache_quant)
+  allowed = _with_new(cache_mask)[:, :, None]
+  scores = jnp.where(allowed, decode_scores(q, k.astype(q.dtype), kc, cfg).astype(jnp.float32),
+                     jnp.finfo(jnp.float32).min)
+  priority = jax.nn.softmax(scores, axis=1)[:, :-1].max(axis=-1)  # [b, t]
+  priority = jnp.where(cache_mask, priority, -1.0)
+  _, positions = jax.lax.top_k(priority, keep)
+  return scores, positions.astype(jnp.int32)
+
+
+def decode_attend_selected(scores: jax.Array, positions: jax.Array, v_selected: jax.Array,
+                           v: jax.Array, *, cfg: ModelConfig,
+                           cache_quant: QuantConfig | None = None) -> jax.Array:
+  """Sparse attention, second half: softmax over the kept positions and the new token.
+  scores [b, t + 1, num_heads] from decode_select; positions [b, keep]; v_selected
+  [b, keep, kv_dim] (or byte rows), the V rows at `positions`; v [b, kv_dim] the new token's.
+  Returns [b, q_dim] float32."""
+  kept = jnp.take_along_axis(scores[:, :-1], positions[:, :, None], axis=1)  # [b, keep, n]
+  probs = jax.nn.softmax(jnp.concatenate([kept, scores[:, -1:]], axis=1), axis=1)
+  vs = load_cache(v_selected, jnp.float32, cfg, cache_quant)
+  return weighted_values(probs, vs, v.astype(jnp.float32), cfg)
