@@ -255,9 +255,11 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
 
 
 def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_len: int,
-                gen_len: int) -> tuple[plan_lib.ExecutionPlan, dict[str, Any]]:
-  """The execution plan of a policy at the run's largest shapes and the report's head: with
-  --dry_run, whether it fits; otherwise it is refused here, before any weight is read."""
+                gen_len: int
+                ) -> tuple[plan_lib.ExecutionPlan, dict[str, Any], FlexjaxError | None]:
+  """The execution plan of a policy at the run's largest shapes, the report's head (with
+  --dry_run, whether it fits) and why it does not fit its budgets (None if it does). A caller
+  that runs refuses on the latter before any weight is read."""
   plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
                              temperature=rc.generation.temperature, top_p=rc.generation.top_p)
   head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
@@ -265,16 +267,16 @@ def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_
           **_prediction_fields(prediction),
           **{f'{tier}_budget_bytes': value for tier, value in st.budgets.items()},
           **{f'planned_{tier}_peak_bytes': value for tier, value in plan.peaks().items()}}
-  if rc.dry_run:
-    try:
-      plan.check(st.budgets)
-      head['fits'] = True
-    except FlexjaxError as e:
-      head['fits'] = False
-      head['does_not_fit'] = str(e)
-  else:
+  problem = None
+  try:
     plan.check(st.budgets)
-  return plan, head
+  except FlexjaxError as e:
+    problem = e
+  if rc.dry_run:
+    head['fits'] = problem is None
+    if problem is not None:
+      head['does_not_fit'] = str(problem)
+  return plan, head, problem
 
 
 def engine_for(rc: RunConfig, st: Setup, policy: Policy) -> Engine:
@@ -307,10 +309,12 @@ def run(rc: RunConfig) -> dict[str, Any]:
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
   policy, prediction = choose_policy(rc, cfg, st.planner, st.budgets, st.profile, prompt_len)
-  _, head = plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
-                        gen_len=rc.generation.gen_len)
+  _, head, problem = plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+                                 gen_len=rc.generation.gen_len)
   if rc.dry_run:
     return head
+  if problem is not None:
+    raise problem
   if not rc.prompt_file:
     prompts = synthetic_prompts(cfg, rc.num_prompts or policy.block_size, prompt_len,
                                 seed=rc.generation.seed)

@@ -171,13 +171,12 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
   gen_len = rc.generation.gen_len
   policy, prediction = choose_policy(rc, st, link, process_id, prompt_len=prompt_len,
                                      gen_len=gen_len)
-  dry = dataclasses.replace(rc, dry_run=True)  # every stage's fit is known before any raises
-  _, head = run_lib.plan_report(dry, st, policy, prediction, prompt_len=prompt_len,
-                                gen_len=gen_len)
+  _, head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+                                         gen_len=gen_len)
   rows = link.gather(_policy_row(policy, prediction), process_id)
-  if not rc.dry_run:
-    error = None if head['fits'] else FlexjaxError(
-        f'stage {process_id} ({_holds(ranges, process_id)}): {head["does_not_fit"]}')
+  if not rc.dry_run:  # every stage's fit is known before any raises
+    error = None if problem is None else FlexjaxError(
+        f'stage {process_id} ({_holds(ranges, process_id)}): {problem}')
     agree(link, process_id, error, "does not fit its budgets; no stage allocated anything")
   result = engine = None
   if not rc.dry_run:
@@ -193,9 +192,7 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
                      progress=False) as engine:
       result = engine.generate(prompts, rc.generation)
   measured = st.watch.peaks()
-  planned = head
-  mine = [int(planned.get('fits', True))] + [
-      planned.get(f'planned_{tier}_peak_bytes', -1) for tier in _TIERS]
+  mine = [int(problem is None)] + [head.get(f'planned_{tier}_peak_bytes', -1) for tier in _TIERS]
   mine += [measured['rss'], measured.get('device', -1)]
   every = link.gather([v + 1 for v in mine], process_id) - 1  # -1: none
   if process_id:
