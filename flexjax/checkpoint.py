@@ -1,4 +1,4 @@
-"""Orbax checkpoints of OPT models, written stage by stage and restored one stage at a time.
+"""Orbax checkpoints of flexjax models (OPT and the llama family), written stage by stage and restored one stage at a time.
 
 A checkpoint is a directory holding one orbax PyTree checkpoint per stage ('tokens', 'embed',
 'layer_000' ... , 'head'), the tokenizer files under 'tokenizer/', and 'flexjax.json', which
@@ -25,7 +25,7 @@ from flexjax import stream as stream_lib
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
 
-FORMAT = 'flexjax-opt-v1'
+FORMAT = 'flexjax-v2'
 META_FILE = 'flexjax.json'
 TOKENIZER_DIR = 'tokenizer'
 STREAM_DIR = 'stream'  # streaming layouts of the weights (flexjax.stream), one per variant

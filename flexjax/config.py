@@ -167,13 +167,15 @@ class ModelConfig:
     return shapes
 
   def layer_shapes(self) -> ShapeTree:
-    """Parameter shapes of one decoder layer; kernels are [in, out]."""
+    """Parameter shapes of one decoder layer. OPT's are 'kernel's [in, out]; the llama family's
+    are 'weight's [out, in] as HF and GGUF store them, so that quantization along the last axis
+    groups inputs, as GGUF's Q4_1 does (its blocks can then be kept as they are)."""
     h, f = self.hidden_size, self.ffn_dim
     if self.family == 'llama':
-      return {'attn_norm': {'scale': (h,)}, 'q': {'kernel': (h, self.q_dim)},
-              'k': {'kernel': (h, self.kv_dim)}, 'v': {'kernel': (h, self.kv_dim)},
-              'o': {'kernel': (self.q_dim, h)}, 'mlp_norm': {'scale': (h,)},
-              'gate': {'kernel': (h, f)}, 'up': {'kernel': (h, f)}, 'down': {'kernel': (f, h)}}
+      return {'attn_norm': {'scale': (h,)}, 'q': {'weight': (self.q_dim, h)},
+              'k': {'weight': (self.kv_dim, h)}, 'v': {'weight': (self.kv_dim, h)},
+              'o': {'weight': (h, self.q_dim)}, 'mlp_norm': {'scale': (h,)},
+              'gate': {'weight': (f, h)}, 'up': {'weight': (f, h)}, 'down': {'weight': (h, f)}}
     shapes = {name: self._dense_shapes(h, h) for name in ('q', 'k', 'v', 'o')}
     shapes['fc1'] = self._dense_shapes(h, f)
     shapes['fc2'] = self._dense_shapes(f, h)

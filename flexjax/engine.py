@@ -17,7 +17,7 @@ from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
 from flexjax.executor import Executor, new_batches
 from flexjax.mover import BREAKDOWN_PARTS, Clock, Mover
-from flexjax.placement import open_layout, place_weights
+from flexjax.placement import cpu_quantizer, open_layout, place_weights
 from flexjax.policy import Policy
 from flexjax.sampler import trim
 from flexjax.storage import Storage
@@ -166,9 +166,13 @@ class Engine:
     self.reader = diskio.Reader(io_threads)
     self.layout: stream_lib.StreamLayout | None = None
     try:
-      if plan_lib.weight_totals(self.config, policy, self.sizes).placed['disk']:
-        self.layout = open_layout(weights, policy, self.steps, cache_dir=weights_cache,
-                                  drop_page_cache=drop_page_cache, progress=progress)
+      # Disk-tier weights are read where the layout holds them; compressed weights are packed
+      # once into it (or kept as a converted checkpoint packed them) instead of in every run.
+      if (policy.compress_weight
+          or plan_lib.weight_totals(self.config, policy, self.sizes).placed['disk']):
+        self.layout = open_layout(weights, policy, cpu_quantizer(self.steps),
+                                  cache_dir=weights_cache, drop_page_cache=drop_page_cache,
+                                  progress=progress)
       self._stages = place_weights(weights, policy, self.sizes, self.storage, self.steps,
                                    self.layout)
     except BaseException:

@@ -153,13 +153,41 @@ class GGUFFile:
     if hf_name not in self._hf_names:
       raise FlexjaxError(f'{str(self.path)!r} has no tensor for {hf_name!r}; is it a complete '
                          'llama GGUF?')
-    values = self._dequantized(self._tensors[self._hf_names[hf_name]])
+    return self._hf_rows(hf_name, self._dequantized(self._tensors[self._hf_names[hf_name]]))
+
+  def packed(self, hf_name: str, config) -> np.ndarray | None:
+    """The tensor's own quantized values as flexjax's packed byte rows (quant.py) in HF's row
+    order, when its GGUF type is the same kind as `config` (a quant.QuantConfig); else None.
+
+    Q4_1 is flexjax's 4-bit format in groups of 32 along a row: a block of 32 values holds a
+    float16 scale d and minimum m and 16 bytes of 4-bit q (value = d * q + m), values 0-15 in
+    the low nibbles and 16-31 in the high ones. flexjax packs neighbours (2i, 2i + 1) into a
+    byte and puts a row's minimums, then its scales, after its values, so the blocks are
+    rearranged without touching a value: no second rounding.
+    """
+    import gguf
+
+    tensor = self._tensors.get(self._hf_names.get(hf_name, ''))
+    if (tensor is None or tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1
+        or (config.bits, config.group_size) != (4, 32)):
+      return None
+    rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    blocks = np.asarray(tensor.data).reshape(rows, -1, 20)  # [rows, groups, d | m | qs]
+    qs = blocks[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, groups, 32] in value order
+    values = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(rows, -1)
+    data = np.concatenate([values, blocks[..., 2:4].reshape(rows, -1),
+                           blocks[..., 0:2].reshape(rows, -1)], axis=-1)
+    return self._hf_rows(hf_name, data.astype(np.uint8))
+
+  def _hf_rows(self, hf_name: str, rows: np.ndarray) -> np.ndarray:
+    """Rows of a Q or K projection back in HF's rotary order (others as they are)."""
     heads = {'self_attn.q_proj.weight': self.config['num_attention_heads'],
              'self_attn.k_proj.weight': self.config['num_key_value_heads']}
     for suffix, num_heads in heads.items():
       if hf_name.endswith(suffix):
-        return unpermute_rotary_rows(values, num_heads)
-    return values
+        return unpermute_rotary_rows(rows, num_heads)
+    return rows
 
   def _dequantized(self, tensor) -> np.ndarray:
     import gguf
@@ -269,9 +297,69 @@ def convert(path: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
       files = _tokenizer_files(Path(tokenizer_dir))
     else:
       files = source.write_tokenizer(folder) if source.has_tokenizer() else []
-    return convert_tensors(cfg, source.get, output,
+    path = convert_tensors(cfg, source.get, output,
                            dtype='float32' if dtype == 'source' else dtype,
                            tokenizer_files=files, overwrite=overwrite, progress=progress)
+  write_kept_layout(source, path, progress=progress)
+  return path
+
+
+def kept_policy():
+  """The weight compression that keeps Q4_1 blocks as they are: 4 bits in groups of 32."""
+  from flexjax.policy import Policy
+  return Policy(compress_weight=True, compress_bits=4, compress_group_size=32)
+
+
+def write_kept_layout(source: GGUFFile, checkpoint: str | os.PathLike, *,
+                      progress: bool = False) -> bool:
+  """When the file has Q4_1 matrices, writes the checkpoint's streaming layout for 4-bit weights
+  in groups of 32 (what --compress_weight --compress_group_size=32 reads) from the file's own
+  blocks, so a compressed run uses the GGUF's values, not a second rounding of them. Matrices of
+  other types are quantized from their dequantized values. Returns whether it wrote one."""
+  import functools
+
+  import jax
+
+  from flexjax import hardware
+  from flexjax import quant as quant_lib
+  from flexjax.checkpoint import Checkpoint
+  from flexjax.placement import open_layout
+
+  if 'Q4_1' not in source.tensor_types().values():
+    return False
+  policy = kept_policy()
+  cpu = hardware.cpu_device()
+  quantize = jax.jit(functools.partial(quant_lib.quantize, config=policy.quant))
+  kept = _KeptBlocks(Checkpoint(checkpoint), source, policy.quant)
+  open_layout(kept, policy, lambda array: np.asarray(quantize(jax.device_put(array, cpu))),
+              cache_dir=None, progress=progress).close()
+  return True
+
+
+class _KeptBlocks:
+  """A converted checkpoint as a weight source whose matrices are the GGUF's own packed rows
+  where the file's type matches `config` (stream.py writes uint8 rows as they are)."""
+
+  def __init__(self, checkpoint, source: GGUFFile, config):
+    self._checkpoint, self._source, self._config = checkpoint, source, config
+    self.config, self.dtype = checkpoint.config, checkpoint.dtype
+
+  def fingerprint(self) -> str:
+    return self._checkpoint.fingerprint()
+
+  def stream_folder(self, cache_dir: Path) -> Path:
+    return self._checkpoint.stream_folder(cache_dir)
+
+  def read(self, stage: str):
+    from flexjax.hf_import import hf_key
+    from flexjax.model import params as params_lib
+
+    tree = params_lib.flatten(self._checkpoint.read(stage))
+    for path in tree:
+      packed = self._source.packed(hf_key(self.config, stage, path)[0], self._config)
+      if packed is not None:
+        tree[path] = packed
+    return params_lib.unflatten(tree)
 
 
 def _tokenizer_files(folder: Path) -> list[Path]:

@@ -43,12 +43,13 @@ _HEAD = {
     ('project_out', 'kernel'): ('project_out.weight', True),
 }
 
-# The llama family (Llama, Mistral, SmolLM2): full HF names. Tied models have no lm_head.weight.
+# The llama family (Llama, Mistral, SmolLM2): full HF names, matrices kept [out, in] (flexjax's
+# 'weight'). Tied models have no lm_head.weight.
 _LLAMA_LAYER = {
     ('attn_norm', 'scale'): ('input_layernorm.weight', False),
-    **{(ours, 'kernel'): (f'self_attn.{ours}_proj.weight', True) for ours in 'qkvo'},
+    **{(ours, 'weight'): (f'self_attn.{ours}_proj.weight', False) for ours in 'qkvo'},
     ('mlp_norm', 'scale'): ('post_attention_layernorm.weight', False),
-    **{(ours, 'kernel'): (f'mlp.{ours}_proj.weight', True) for ours in ('gate', 'up', 'down')},
+    **{(ours, 'weight'): (f'mlp.{ours}_proj.weight', False) for ours in ('gate', 'up', 'down')},
 }
 _LLAMA_ENDS = {
     'tokens': {('tokens',): ('model.embed_tokens.weight', False)},

@@ -30,16 +30,22 @@ def layout_variant(source: WeightSource, policy: Policy) -> str:
   return source.dtype
 
 
-def open_layout(source: WeightSource, policy: Policy, steps: Steps, *, cache_dir,
-                drop_page_cache: bool, progress: bool) -> stream_lib.StreamLayout:
-  """The source's streaming layout for this policy, written first if missing."""
+def open_layout(source: WeightSource, policy: Policy, quantize, *, cache_dir,
+                drop_page_cache: bool = False, progress: bool = False) -> stream_lib.StreamLayout:
+  """The source's streaming layout for this policy, written first if missing. quantize: a
+  matrix -> its packed byte rows in policy.quant's format (a matrix the source already gives as
+  uint8 rows is written as it is)."""
   quant = policy.quant
   return stream_lib.ensure_layout(
-      source, packs=lambda shape: plan_lib.compressed(policy, shape),
-      pack=lambda array: np.asarray(steps.quantize(jax.device_put(array, steps.cpu))),
+      source, packs=lambda shape: plan_lib.compressed(policy, shape), pack=quantize,
       packed_shape=lambda shape: (*shape[:-1], quant.row_bytes(shape[-1])),
       variant=layout_variant(source, policy), cache_dir=cache_dir,
       drop_page_cache=drop_page_cache, progress=progress)
+
+
+def cpu_quantizer(steps: Steps):
+  """Quantizes a host matrix on the CPU backend with the steps' jitted quantize."""
+  return lambda array: np.asarray(steps.quantize(jax.device_put(array, steps.cpu)))
 
 
 def place_weights(source: WeightSource, policy: Policy, sizes: plan_lib.Itemsizes,

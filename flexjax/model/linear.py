@@ -58,8 +58,9 @@ def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
 
 
 def layer(p: dict, x: jax.Array) -> jax.Array:
-  """A dense layer {'kernel': [in, out], optionally 'bias': [out]} on x, in x's dtype."""
-  y = dense(x, p['kernel'], x.dtype)
+  """A dense layer on x, in x's dtype: {'kernel': [in, out]} or {'weight': [out, in]}, and
+  optionally 'bias': [out]."""
+  y = dense(x, p['kernel'], x.dtype) if 'kernel' in p else dense_transposed(x, p['weight'], x.dtype)
   return y + p['bias'] if 'bias' in p else y
 
 

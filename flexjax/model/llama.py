@@ -2,7 +2,7 @@
 the interface of model/opt.py: (params, inputs, kv) -> (outputs, new kv), jitted a layer at a time.
 
 Parameters arrive in their storage dtype and are cast as in opt.py (vectors on entry, matrices at
-their products through model/linear.py, packed ones dequantized). Kernels are [in, out]. The KV
+their products through model/linear.py, packed ones dequantized). Matrices are [out, in]. The KV
 cache of one layer holds only the KV heads: [batch, time, kv_heads * head_dim] for K (rotated,
 as HF caches it) and for V; attention over it is model/attention.py's. Positions of left-padded
 rows count real tokens only: a prompt's positions are the running count of its real tokens minus
