@@ -19,7 +19,9 @@ _TEXT = flags.DEFINE_string('text_file', None, 'Plain text for perplexity (e.g. 
 _LAMBADA = flags.DEFINE_string('lambada_file', None, 'JSONL with a "text" field per line.')
 _VARIANTS = flags.DEFINE_list('variants', ['fp', 'int4', 'int4_sparse'],
                               'fp: no approximation; int4: weights and KV cache 4-bit, groups of '
-                              '64; int4_sparse: int4 plus attention sparsity 0.1.')
+                              '64; int4_sparse: int4 plus attention sparsity 0.1; sparse; '
+                              'int4_weights, int4_cache: one of the two; int4_weights_g32: '
+                              'weights in groups of 32 (a GGUF\'s Q4_1 blocks as converted).')
 _WINDOW = flags.DEFINE_integer('window', 512, 'Tokens per perplexity window.')
 _CONTEXT = flags.DEFINE_integer('context', 256, 'Prompt tokens of each window (the rest are '
                                 'scored through decode steps).')
@@ -32,6 +34,10 @@ VARIANTS = {
     'int4': dict(compress_weight=True, compress_cache=True),
     'int4_sparse': dict(compress_weight=True, compress_cache=True, attn_sparsity=0.1),
     'sparse': dict(attn_sparsity=0.1),
+    'int4_weights': dict(compress_weight=True),
+    # 4-bit weights in groups of 32: a converted GGUF's Q4_1 blocks, kept as the file has them
+    'int4_weights_g32': dict(compress_weight=True, compress_group_size=32),
+    'int4_cache': dict(compress_cache=True),
 }
 
 
