@@ -196,6 +196,17 @@ def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def discard(folder: Path) -> None:
+  """Removes a layout folder: renamed aside first, so that no half-removed folder is left where
+  a layout is looked for."""
+  aside = Path(tempfile.mkdtemp(prefix=f'.{folder.name}.stale-', dir=folder.parent))
+  try:
+    os.rename(folder, aside / folder.name)
+  except FileNotFoundError:  # another process removed it first
+    pass
+  shutil.rmtree(aside, ignore_errors=True)
+
+
 def default_cache_dir() -> Path:
   """Where layouts of dummy weights (and of read-only checkpoints) go: $FLEXJAX_CACHE, else
   $XDG_CACHE_HOME/flexjax, else ~/.cache/flexjax."""
@@ -233,6 +244,8 @@ def ensure_layout(source, *, packs: Callable[[tuple], bool],
   meta = {'format': FORMAT, 'variant': variant, 'dtype': source.dtype,
           'source': source.fingerprint(), 'model': cfg.to_dict()}
   if not layout_matches(folder, meta):
+    if folder.exists():  # stale (an older format, or weights since rewritten): derived data
+      discard(folder)
     shapes = {stage: params_lib.flatten(params_lib.stage_shapes(cfg, stage))
               for stage in params_lib.stage_names(cfg)}
     index = plan_layout(shapes, np_dtype(source.dtype), pack=packs, packed_shape=packed_shape)

@@ -3,6 +3,7 @@ atomically, and a full disk is a one-line error."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,6 +119,25 @@ def test_a_changed_source_gets_a_new_layout(tmp_path):
                             b.tensor('tokens', ('tokens',)).read())
   a.close()
   b.close()
+
+
+def test_a_stale_layout_is_replaced(tmp_path):
+  """A layout of another format (or of weights since rewritten) in the folder a run reads is
+  removed and written again, before the new one needs its disk space."""
+  kw = dict(packs=lambda shape: False, pack=None, packed_shape=None, variant='float32',
+            cache_dir=tmp_path)
+  source = DummyWeights(TINY, 'float32', seed=0)
+  first = stream.ensure_layout(source, **kw)
+  folder, want = first.folder, first.tensor('tokens', ('tokens',)).read()
+  first.close()
+  index = json.loads((folder / stream.INDEX).read_text())
+  (folder / stream.INDEX).write_text(json.dumps({**index, 'format': 'flexjax-stream-v0'}))
+  (folder / 'tokens.bin').write_bytes(b'stale')
+  again = stream.ensure_layout(source, **kw)
+  assert again.folder == folder
+  np.testing.assert_array_equal(again.tensor('tokens', ('tokens',)).read(), want)
+  again.close()
+  assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
 
 
 def _main(args: list[str], env: dict, limit: int | None = None) -> subprocess.CompletedProcess:
