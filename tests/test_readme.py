@@ -45,7 +45,7 @@ def is_set_up(argv: list[str]) -> bool:
 def _key(argv: list[str]) -> str:
   """Which README command this is: its module and the flag that tells it apart."""
   module = argv[2] if argv[:2] == ['python', '-m'] else argv[0]
-  for flag in ('--process_id=0', '--process_id=1', '--cache_dir', '--gguf',
+  for flag in ('--process_id=0', '--process_id=1', '--cache_dir', '--gguf', '--compress_weight',
                '--flagfile=configs/gguf', '--hf_dir', '--model_args', '--render', '--plot', '--folder', '--flagfile',
                '--prompt_file', '--input', '--dry_run', '--model=', '--output='):
     if any(a.startswith(flag) for a in argv):
@@ -71,6 +71,7 @@ RUNS = {
     'tools.fetch_gguf --cache_dir': 'as is (the file the GGUF tests fetched, found by checksum)',
     'tools.convert_hf --gguf': 'as is',
     'flexjax.main --flagfile=configs/gguf': 'as is',
+    'flexjax.main --compress_weight': 'as is',
     'flexjax.launch --dry_run': 'as is',
     'flexjax.launch --process_id=0': 'both hosts on this one: 10.0.0.1 is 127.0.0.1, a free port',
     'flexjax.launch --process_id=1': 'both hosts on this one: 10.0.0.1 is 127.0.0.1, a free port',
@@ -194,3 +195,7 @@ def test_the_real_model_example_runs_as_written(workdir):
   answers = re.findall(r'^>>> (.*)\n(.*)$', out, flags=re.M)
   assert len(answers) == 4, out
   assert answers[0][0] == 'What is the capital of France?' and 'Paris' in answers[0][1], out
+  out = _run(by_key('flexjax.main --compress_weight'), workdir).stdout
+  assert 'compress_weight=4b/g32' in out, out
+  answers = re.findall(r'^>>> (.*)\n(.*)$', out, flags=re.M)
+  assert len(answers) == 4 and all(answer.strip() for _, answer in answers), out
