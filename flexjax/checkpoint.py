@@ -1,4 +1,5 @@
-"""Orbax checkpoints of flexjax models (OPT and the llama family), written stage by stage and restored one stage at a time.
+"""Orbax checkpoints of flexjax models (OPT and the llama family), written stage by stage and
+restored one stage at a time.
 
 A checkpoint is a directory holding one orbax PyTree checkpoint per stage ('tokens', 'embed',
 'layer_000' ... , 'head'), the tokenizer files under 'tokenizer/', and 'flexjax.json', which
@@ -147,16 +148,18 @@ class Checkpoint:
                          f'({_first_line(e)}); convert the checkpoint again') from None
     return {k: tuple(v.shape) for k, v in params_lib.flatten(_to_dict(tree)).items()}
 
-  def read(self, stage: str) -> params_lib.HostParams:
-    """Restores one stage ('tokens', 'embed', 'layer_007', 'head') as host numpy arrays.
+  def read(self, stage: str, skip=frozenset()) -> params_lib.HostParams:
+    """Restores one stage ('tokens', 'embed', 'layer_007', 'head') as host numpy arrays, but
+    for the tensor paths in `skip`.
 
     The arrays are read with tensorstore from the stage's orbax (OCDBT) files, every read
     waited for even when one fails: a damaged file is one error, with no read left running."""
-    shapes = params_lib.flatten(params_lib.stage_shapes(self.config, stage))
-    if not shapes:
+    keys = [k for k in params_lib.flatten(params_lib.stage_shapes(self.config, stage))
+            if k not in skip]
+    if not keys:
       return {}
     try:
-      arrays = _read_arrays(self.path / stage, list(shapes))
+      arrays = _read_arrays(self.path / stage, keys)
     except Exception as e:  # tensorstore raises several types for damaged files
       raise FlexjaxError(f'checkpoint stage {str(self.path / stage)!r} is unreadable '
                          f'({_first_line(e)}); convert the checkpoint again') from None

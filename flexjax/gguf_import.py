@@ -323,16 +323,15 @@ def write_kept_layout(source: GGUFFile, checkpoint: str | os.PathLike, *,
   from flexjax import hardware
   from flexjax import quant as quant_lib
   from flexjax.checkpoint import Checkpoint
-  from flexjax.placement import open_layout
+  from flexjax.placement import cpu_quantizer, open_layout
 
   if 'Q4_1' not in source.tensor_types().values():
     return False
   policy = kept_policy()
-  cpu = hardware.cpu_device()
   quantize = jax.jit(functools.partial(quant_lib.quantize, config=policy.quant))
   kept = _KeptBlocks(Checkpoint(checkpoint), source, policy.quant)
-  open_layout(kept, policy, lambda array: np.asarray(quantize(jax.device_put(array, cpu))),
-              cache_dir=None, progress=progress).close()
+  open_layout(kept, policy, cpu_quantizer(quantize, hardware.cpu_device()), cache_dir=None,
+              progress=progress).close()
   return True
 
 
@@ -354,12 +353,14 @@ class _KeptBlocks:
     from flexjax.hf_import import hf_key
     from flexjax.model import params as params_lib
 
-    tree = params_lib.flatten(self._checkpoint.read(stage))
-    for path in tree:
-      packed = self._source.packed(hf_key(self.config, stage, path)[0], self._config)
-      if packed is not None:
-        tree[path] = packed
-    return params_lib.unflatten(tree)
+    packed = {}
+    for path in params_lib.flatten(params_lib.stage_shapes(self.config, stage)):
+      rows = self._source.packed(hf_key(self.config, stage, path)[0], self._config)
+      if rows is not None:
+        packed[path] = rows
+    # the checkpoint's float values only where the file's blocks are not kept
+    rest = params_lib.flatten(self._checkpoint.read(stage, skip=set(packed)))
+    return params_lib.unflatten({**rest, **packed})
 
 
 def _tokenizer_files(folder: Path) -> list[Path]:

@@ -43,9 +43,10 @@ def open_layout(source: WeightSource, policy: Policy, quantize, *, cache_dir,
       drop_page_cache=drop_page_cache, progress=progress)
 
 
-def cpu_quantizer(steps: Steps):
-  """Quantizes a host matrix on the CPU backend with the steps' jitted quantize."""
-  return lambda array: np.asarray(steps.quantize(jax.device_put(array, steps.cpu)))
+def cpu_quantizer(quantize, cpu: jax.Device):
+  """A host matrix -> its packed byte rows, by a jitted quantize (steps.Steps.quantize, say) on
+  the CPU backend."""
+  return lambda array: np.asarray(quantize(jax.device_put(array, cpu)))
 
 
 def place_weights(source: WeightSource, policy: Policy, sizes: plan_lib.Itemsizes,
@@ -85,7 +86,7 @@ def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage
       if whole is None:
         whole = found.read() if isinstance(found, stream_lib.StreamTensor) else np.asarray(found)
         if slot.packed and whole.dtype != np.uint8:  # quantized once, on the CPU backend
-          whole = np.asarray(steps.quantize(jax.device_put(whole, steps.cpu)))
+          whole = cpu_quantizer(steps.quantize, steps.cpu)(whole)
       array = whole[lo:hi]
       if slot.tier == 'device':
         storage.reserve('device', slot.resident, 'weights.resident')
