@@ -75,7 +75,7 @@ def agree(link: Link, process_id: int, error: FlexjaxError | None, what: str) ->
   if not failed.any():
     return
   first = int(np.argmax(failed))
-  if error is not None:
+  if process_id == first:
     raise error
   raise OtherStageFailed(f'stage {first} {what}')
 
