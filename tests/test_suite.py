@@ -15,6 +15,7 @@ FIELDS = ('tool', 'suite', 'case', 'system', 'system_version', 'model', 'label',
           'num_prompts', 'policy', 'policy_fields', 'budgets', 'prefill_s', 'decode_s',
           'measured_decode_s', 'prefill_tok_s', 'decode_tok_s', 'total_tok_s', 'latency_s',
           'peak_bytes', 'planned_peak_bytes', 'host_peak_rss_bytes', 'breakdown', 'predicted',
+          'disk_weight_bytes',
           'status', 'commit', 'machine', 'versions', 'run_id', 'timestamp', 'spec')
 HAND = {'gpu_batch_size': 2, 'num_gpu_batches': 2, 'w_gpu_percent': 0, 'w_cpu_percent': 50,
         'cache_gpu_percent': 50, 'cache_cpu_percent': 50, 'act_gpu_percent': 100,
@@ -240,6 +241,18 @@ def test_plot_writes_a_png(tmp_path):
   assert [p.name for p in out.parent.iterdir()] == ['frontier.png']
   with pytest.raises(FlexjaxError, match='no successful runs'):
     suite.plot_frontier([record('flexjax', 1.0)], str(out))
+
+
+def test_stream_table_sets_disk_reads_of_decode_against_the_same_run_probe():
+  streamed = dict(record('flexjax', 1.0, projected=True), measured_decode_s=2.0,
+                  disk_weight_bytes={'prefill': 10**9, 'decode': 6 * 10**9},
+                  rates={'disk_read_bw': 4e9}, roofline={'decode': {'bound': 'disk_read'}})
+  in_ram = dict(streamed, case='in-ram', disk_weight_bytes={'prefill': 0, 'decode': 0})
+  peer = dict(streamed, system='accelerate')
+  lines = suite.render_stream([streamed, in_ram, peer]).splitlines()
+  assert len(lines) == 3  # header, rule, the one flexjax row that decoded from disk
+  # 3 steps measured: 2 GB and 0.67 s per step; 6 GB in 2 s = 3 GB/s against a 4 GB/s probe
+  assert lines[2].endswith('| 2.00 | 0.67 | 3.00 | 4.00 | 0.75 | disk read |'), lines[2]
 
 
 def test_render_all_prints_the_tables_that_have_rows():

@@ -185,7 +185,8 @@ def make_record(*, cfg: config_lib.ModelConfig, base: Policy, policy: Policy, ca
                     prefill_s=result.prefill_s, decode_s=decode_s),
       'peak_bytes': dict(result.peak_bytes), 'planned_peak_bytes': dict(result.planned_peak_bytes),
       'weight_loads_per_stage': result.weight_loads[layer_name(0)],
-      'bytes_moved': dict(result.bytes_moved), 'breakdown': result.breakdown, **extra,
+      'bytes_moved': dict(result.bytes_moved),
+      'disk_weight_bytes': dict(result.disk_weight_bytes), 'breakdown': result.breakdown, **extra,
       'timestamp': timestamp(),
   }
 

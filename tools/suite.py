@@ -70,7 +70,7 @@ from tools.benchlib import (fmt_number, jsonl_appender, read_records, report_err
                             throughputs, timestamp)
 
 SYSTEMS = ('flexjax', 'accelerate', 'flexgen')
-TABLES = ('peers', 'ablation', 'frontier')
+TABLES = ('peers', 'ablation', 'frontier', 'stream')
 CASE_KEYS = {
     'common': ('name', 'system', 'model', 'prompt_len', 'gen_len', 'projected_gen_len',
                'page_cache', 'gpu_mem', 'cpu_mem', 'disk_mem', 'budget', 'tables', 'label',
@@ -275,7 +275,7 @@ def _run_flexjax(cfg, case) -> dict[str, Any]:
   keep = ('num_prompts', 'measured_gen_len', 'projected', 'prefill_s', 'decode_s',
           'measured_decode_s', 'peak_bytes', 'planned_peak_bytes', 'host_peak_rss_bytes',
           'policy', 'policy_fields', 'compute_dtype', 'weight_storage_dtype', 'bytes_moved',
-          'weight_loads_per_stage', 'predicted', 'device', 'breakdown')
+          'disk_weight_bytes', 'weight_loads_per_stage', 'predicted', 'device', 'breakdown')
   return {'system_version': _flexjax_version(), **{k: record[k] for k in keep}}
 
 
@@ -664,10 +664,32 @@ def render_roofline(records: Sequence[dict[str, Any]]) -> str:
   return '\n'.join(lines)
 
 
+def render_stream(records: Sequence[dict[str, Any]]) -> str:
+  """Per flexjax row that read weights from disk while decoding: the weight stream (disk bytes
+  over measured decode time) against the O_DIRECT disk read rate measured in the same suite run,
+  and what bounds its decode on the roofline (a compute-bound decode cannot keep the disk busy)."""
+  lines = ['| case | block | policy | decode weights from disk GB / step | decode s / step | '
+           'weight stream GB/s | O_DIRECT disk GB/s (same run) | stream / disk | decode bound |',
+           '|---|---:|---|---:|---:|---:|---:|---:|---|']
+  for r in records:
+    disk = (r.get('disk_weight_bytes') or {}).get('decode', 0)
+    if r.get('system') != 'flexjax' or r.get('status') != 'ok' or not disk or not r.get('rates'):
+      continue
+    steps = r['measured_gen_len'] - 1
+    stream = disk / r['measured_decode_s']
+    probe = r['rates']['disk_read_bw']
+    bound = ((r.get('roofline') or {}).get('decode') or {}).get('bound', '—')
+    lines.append(f'| {r["case"]} | {r["num_prompts"]} | {r["policy"]} | {disk / steps / 1e9:.2f} | '
+                 f'{r["measured_decode_s"] / steps:.2f} | {stream / 1e9:.2f} | {probe / 1e9:.2f} | '
+                 f'{stream / probe:.2f} | {bound.replace("_", " ")} |')
+  return '\n'.join(lines)
+
+
 def render_all(records: Sequence[dict[str, Any]]) -> str:
   parts = [('Flexjax vs peers (Table 2)', render_peers),
            ('Flexjax vs Accelerate at equal measured peak RSS', rss_match.render_matched),
            ('Roofline: measured time against this machine\'s measured peaks', render_roofline),
+           ('Weight stream during decode against the disk', render_stream),
            ('Ablation (Table 4)', render_ablation),
            ('Breakdown without overlap (Table 8)', render_breakdown),
            ('Latency and throughput (Fig. 1)', render_frontier)]
