@@ -74,22 +74,37 @@ def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: Model
   new token last. q [b, q_dim]; k_new [b, kv_dim]; k_cache [b, t, kv_dim], all in q's dtype."""
   qg = groups(q, cfg)  # [b, kv, g, d]
   kc = heads(k_cache, cfg.kv_heads, cfg)  # [b, t, kv, d]
-  # Products and sums rather than einsums: with one query per sequence these are matrix-vector
-  # products, which XLA:CPU runs 2x faster as fused multiply-reduce than as batched matmuls.
-  past = jnp.sum(qg[:, None] * kc[:, :, :, None], axis=-1)  # [b, t, kv, g]
-  new = jnp.sum(qg * heads(k_new, cfg.kv_heads, cfg)[:, :, None], axis=-1)[:, None]
+  # With one query per sequence these are matrix-vector products: XLA:CPU runs them fastest as
+  # products summed by halving the head axis (10x a batched matmul or a reduce over that axis).
+  past = sum_last(qg[:, None] * kc[:, :, :, None])  # [b, t, kv, g]
+  new = sum_last(qg * heads(k_new, cfg.kv_heads, cfg)[:, :, None])[:, None]
   scores = jnp.concatenate([past, new], axis=1)  # [b, t + 1, kv, g]
   return scores.reshape(*scores.shape[:2], cfg.num_heads)
+
+
+def sum_last(x: jax.Array) -> jax.Array:
+  """x summed over its last axis by adding halves: [..., n] -> [...]."""
+  while x.shape[-1] > 1:
+    n = x.shape[-1]
+    half = x[..., :n // 2] + x[..., n // 2:n // 2 * 2]
+    if n % 2:
+      half = jnp.concatenate([half[..., :1] + x[..., -1:], half[..., 1:]], axis=-1)
+    x = half
+  return x[..., 0]
 
 
 def weighted_values(probs: jax.Array, v_rows: jax.Array, v_new: jax.Array, cfg: ModelConfig):
   """probs [b, t + 1, num_heads] over v_rows [b, t, kv_dim] and the new v [b, kv_dim]
   -> [b, q_dim]."""
-  g = cfg.num_heads // cfg.kv_heads
+  b, g = probs.shape[0], cfg.num_heads // cfg.kv_heads
+  vc = heads(v_rows, cfg.kv_heads, cfg)  # [b, t, kv, d]
+  vn = heads(v_new, cfg.kv_heads, cfg)  # [b, kv, d]
+  if g == 1:  # one query head per KV head: XLA:CPU sums this 4-d product ~15x faster
+    past = jnp.sum(probs[:, :-1, :, None] * vc, axis=1)  # [b, kv, d]
+    return (past + probs[:, -1, :, None] * vn).reshape(b, cfg.q_dim)
   pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)[..., None]  # [b, t + 1, kv, g, 1]
-  vc = heads(v_rows, cfg.kv_heads, cfg)[:, :, :, None]  # [b, t, kv, 1, d]
-  out = jnp.sum(pg[:, :-1] * vc, axis=1) + pg[:, -1] * heads(v_new, cfg.kv_heads, cfg)[:, :, None]
-  return out.reshape(out.shape[0], cfg.q_dim)
+  out = jnp.sum(pg[:, :-1] * vc[:, :, :, None], axis=1) + pg[:, -1] * vn[:, :, None]
+  return out.reshape(b, cfg.q_dim)
 
 
 def _with_new(cache_mask: jax.Array) -> jax.Array:
