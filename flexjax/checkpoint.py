@@ -131,11 +131,14 @@ class Checkpoint:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
   def stream_folder(self, cache_dir: Path) -> Path:
-    """Inside the checkpoint when it is writable (removed with it), else in the cache folder."""
+    """Inside the checkpoint when it is writable (removed with it), else in the cache folder,
+    one folder per checkpoint path: a checkpoint written again replaces its layouts there (their
+    index records the fingerprint they were written from) instead of adding more."""
     inside = self.path / STREAM_DIR
     if stream_lib.writable(inside):
       return inside
-    return Path(cache_dir) / 'checkpoints' / f'{self.path.name}-{self.fingerprint()}'
+    where = hashlib.sha256(str(self.path.absolute()).encode()).hexdigest()[:16]
+    return Path(cache_dir) / 'checkpoints' / f'{self.path.name}-{where}'
 
   def _stored_shapes(self, stage: str) -> dict[tuple[str, ...], tuple[int, ...]]:
     stage_dir = self.path / stage

@@ -491,8 +491,8 @@ def run_job(rc) -> dict[str, Any]:
     else:
       policy, prediction = run_lib.choose_policy(rc, cfg, st.planner, st.budgets, st.profile,
                                                  prompt_len, gen_len=gen_len)
-    _, head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
-                                           gen_len=gen_len)
+    head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+                                        gen_len=gen_len)
     if problem is not None and not rc.dry_run:
       raise problem
     blocks = plan_blocks(rows, policy.block_size, bucket=rc.bucket,

@@ -255,11 +255,10 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
 
 
 def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_len: int,
-                gen_len: int
-                ) -> tuple[plan_lib.ExecutionPlan, dict[str, Any], FlexjaxError | None]:
-  """The execution plan of a policy at the run's largest shapes, the report's head (with
-  --dry_run, whether it fits) and why it does not fit its budgets (None if it does). A caller
-  that runs refuses on the latter before any weight is read."""
+                gen_len: int) -> tuple[dict[str, Any], FlexjaxError | None]:
+  """The report's head for a policy's execution plan at the run's largest shapes (with
+  --dry_run, whether it fits) and why that plan does not fit its budgets (None if it does). A
+  caller that runs refuses on the latter before any weight is read."""
   plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
                              temperature=rc.generation.temperature, top_p=rc.generation.top_p)
   head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
@@ -276,7 +275,7 @@ def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_
     head['fits'] = problem is None
     if problem is not None:
       head['does_not_fit'] = str(problem)
-  return plan, head, problem
+  return head, problem
 
 
 def engine_for(rc: RunConfig, st: Setup, policy: Policy) -> Engine:
@@ -309,8 +308,8 @@ def run(rc: RunConfig) -> dict[str, Any]:
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
   policy, prediction = choose_policy(rc, cfg, st.planner, st.budgets, st.profile, prompt_len)
-  _, head, problem = plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
-                                 gen_len=rc.generation.gen_len)
+  head, problem = plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+                              gen_len=rc.generation.gen_len)
   if rc.dry_run:
     return head
   if problem is not None:

@@ -171,8 +171,8 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
   gen_len = rc.generation.gen_len
   policy, prediction = choose_policy(rc, st, link, process_id, prompt_len=prompt_len,
                                      gen_len=gen_len)
-  _, head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
-                                         gen_len=gen_len)
+  head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+                                      gen_len=gen_len)
   rows = link.gather(_policy_row(policy, prediction), process_id)
   if not rc.dry_run:  # every stage's fit is known before any raises
     error = None if problem is None else FlexjaxError(

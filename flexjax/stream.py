@@ -199,12 +199,24 @@ def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *
 def discard(folder: Path) -> None:
   """Removes a layout folder: renamed aside first, so that no half-removed folder is left where
   a layout is looked for."""
-  aside = Path(tempfile.mkdtemp(prefix=f'.{folder.name}.stale-', dir=folder.parent))
+  try:
+    aside = Path(tempfile.mkdtemp(prefix=f'.{folder.name}.stale-', dir=folder.parent))
+  except OSError as e:
+    raise _cannot_discard(folder, e) from None
   try:
     os.rename(folder, aside / folder.name)
   except FileNotFoundError:  # another process removed it first
     pass
-  shutil.rmtree(aside, ignore_errors=True)
+  except OSError as e:
+    raise _cannot_discard(folder, e) from None
+  finally:
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _cannot_discard(folder: Path, error: OSError) -> FlexjaxError:
+  return FlexjaxError(f'the weight layout {str(folder)!r} is stale and cannot be replaced '
+                      f'({error.strerror}); remove it, or pass --weights_cache=<a writable '
+                      'folder>')
 
 
 def default_cache_dir() -> Path:

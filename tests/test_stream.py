@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from flexjax import diskio, stream
+from flexjax.checkpoint import Checkpoint, CheckpointWriter
 from flexjax.config import ModelConfig
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
@@ -138,6 +139,55 @@ def test_a_stale_layout_is_replaced(tmp_path):
   np.testing.assert_array_equal(again.tensor('tokens', ('tokens',)).read(), want)
   again.close()
   assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
+
+
+def test_a_stale_layout_that_cannot_be_removed_is_a_one_line_error(tmp_path, monkeypatch):
+  kw = dict(packs=lambda shape: False, pack=None, packed_shape=None, variant='float32',
+            cache_dir=tmp_path)
+  source = DummyWeights(TINY, 'float32', seed=0)
+  layout = stream.ensure_layout(source, **kw)
+  folder = layout.folder
+  layout.close()
+  index = json.loads((folder / stream.INDEX).read_text())
+  (folder / stream.INDEX).write_text(json.dumps({**index, 'format': 'flexjax-stream-v0'}))
+
+  def refuse(*args):
+    raise PermissionError(13, 'Permission denied')
+
+  monkeypatch.setattr(stream.os, 'rename', refuse)
+  with pytest.raises(FlexjaxError) as e:
+    stream.ensure_layout(source, **kw)
+  assert '\n' not in str(e.value)
+  assert f"{str(folder)!r} is stale and cannot be replaced (Permission denied)" in str(e.value)
+  assert '--weights_cache' in str(e.value)
+  assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no aside left
+
+
+def _write_checkpoint(path: Path, seed: int) -> None:
+  source = DummyWeights(TINY, 'float32', seed=seed)
+  with CheckpointWriter(path, TINY, 'float32', overwrite=True) as writer:
+    for stage in params_lib.stage_names(TINY):
+      writer.write_stage(stage, source.read(stage))
+
+
+def test_a_read_only_checkpoint_written_again_replaces_its_cached_layout(tmp_path, monkeypatch):
+  """Layouts of a checkpoint the run cannot write into go to the cache folder, one folder per
+  checkpoint path: rewriting the checkpoint replaces that layout rather than adding one."""
+  monkeypatch.setattr(stream, 'writable', lambda folder: False)
+  kw = dict(packs=lambda shape: False, pack=None, packed_shape=None, variant='float32',
+            cache_dir=tmp_path / 'cache')
+  path = tmp_path / 'ckpt'
+  values = []
+  for seed in (0, 1):
+    _write_checkpoint(path, seed)
+    layout = stream.ensure_layout(Checkpoint(path), **kw)
+    assert layout.folder.parent.parent == tmp_path / 'cache' / 'checkpoints'
+    values.append(layout.tensor('tokens', ('tokens',)).read())
+    layout.close()
+  np.testing.assert_array_equal(values[1], DummyWeights(TINY, 'float32', seed=1).read(
+      'tokens')['tokens'])
+  assert not np.array_equal(values[0], values[1])
+  assert len(list((tmp_path / 'cache' / 'checkpoints').iterdir())) == 1
 
 
 def _main(args: list[str], env: dict, limit: int | None = None) -> subprocess.CompletedProcess:
