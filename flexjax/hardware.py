@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flexjax import diskio
 from flexjax.errors import FlexjaxError
 
 GB = 1e9
@@ -28,8 +29,8 @@ class HardwareProfile:
   """Bytes/s between tiers and FLOP/s of the compute units.
 
   mm_flops maps a matmul's row count M to FLOP/s (prefill uses M = batch x prompt, decode
-  M = batch); bmm_flops likewise for attention's batched products; cpu_flops is the host's rate
-  for attention delegated to it.
+  M = batch); bmm_flops likewise for decode attention (the engine's own: one new token per
+  sequence over its cache); cpu_flops is the host's rate for attention delegated to it.
   """
 
   name: str
@@ -181,11 +182,16 @@ def best_seconds(fn, repeats: int = 3) -> float:
 
 def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
             hidden: int = 2048, quick: bool = False, progress: bool = False) -> HardwareProfile:
-  """Measures this machine: transfers, disk (page cache dropped), matmul and attention rates."""
+  """Measures this machine: transfers, disk reads as the engine makes them (O_DIRECT, I/O
+  threads), matmul rates and the engine's decode attention rate."""
+  import functools
+
   import jax
   import jax.numpy as jnp
 
   from flexjax import progress as progress_lib
+  from flexjax.config import ModelConfig
+  from flexjax.model import attention
 
   sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048)
   bar = progress_lib.bar(3 + len(sizes) + 4 + 1, 'measuring', unit='test', show=progress)
@@ -213,12 +219,18 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
     bar.update(1)
     return rate
 
-  def attention_rate(rows, backend):  # rows sequences attend over 512 positions, 64-wide heads
-    q = jax.device_put(np.ones((rows, hidden // 64, 1, 64), np.float32), backend)
-    k = jax.device_put(np.ones((rows, hidden // 64, 512, 64), np.float32), backend)
-    f = jax.jit(lambda q, k: jnp.einsum('bnqd,bntd->bnqt', q, k))
-    f(q, k).block_until_ready()
-    rate = 2 * rows * hidden * 512 / best_seconds(lambda: f(q, k).block_until_ready())
+  probe_cfg = ModelConfig(name='attention-probe', num_layers=1, hidden_size=hidden,
+                          num_heads=hidden // 64, ffn_dim=4 * hidden, vocab_size=64,
+                          max_positions=1024)
+
+  def attention_rate(rows, backend):  # one new token per sequence over 512 cached positions
+    args = [jax.device_put(np.ones(shape, np.float32), backend)
+            for shape in ((rows, hidden), (rows, hidden), (rows, hidden), (rows, 512, hidden),
+                          (rows, 512, hidden))]
+    mask = jax.device_put(np.ones((rows, 512), bool), backend)
+    f = jax.jit(functools.partial(attention.attend_decode, cfg=probe_cfg))
+    f(*args, mask).block_until_ready()
+    rate = 4 * rows * hidden * 512 / best_seconds(lambda: f(*args, mask).block_until_ready())
     bar.update(1)
     return rate
 
@@ -246,9 +258,9 @@ def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float
       os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
       os.close(rfd)
-    start = time.perf_counter()
-    np.fromfile(path, dtype=np.uint8)
-    read = data.nbytes / (time.perf_counter() - start)
+    nbytes = data.nbytes // diskio.BLOCK * diskio.BLOCK
+    seconds, _, _ = diskio.read_through(path, file_bytes=nbytes)  # as the engine reads weights
+    read = nbytes / seconds
   finally:
     os.unlink(path)
   return read, write

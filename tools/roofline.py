@@ -154,25 +154,6 @@ def _drop_from_page_cache(path: str) -> None:
     os.close(fd)
 
 
-def _read_all(path: str, *, file_bytes: int, chunk_bytes: int,
-              threads: int) -> tuple[float, bool, str]:
-  """Reads the file as flexjax reads weights (diskio: O_DIRECT where allowed, chunk_bytes per
-  request on `threads` I/O threads), a window of threads x chunk_bytes at a time. Returns
-  (seconds, whether direct, why not)."""
-  file = diskio.DiskFile(path)
-  reader = diskio.Reader(threads, chunk=chunk_bytes)
-  window = diskio.aligned_buffer(threads * chunk_bytes)
-  try:
-    start = time.perf_counter()
-    for offset in range(0, file_bytes, len(window)):
-      length = min(len(window), file_bytes - offset)
-      diskio.wait(reader.read(file, offset, window[:length]))
-    return time.perf_counter() - start, file.direct, file.why_buffered
-  finally:
-    reader.close()
-    file.close()
-
-
 def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
                    chunk_bytes: int = 16 * 2**20, threads: int = 4) -> DiskProbe:
   """Write and cold-read bandwidth of a file of file_bytes in `folder` (default: the temp
@@ -194,8 +175,8 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
   try:
     write_s = _write_file(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes)
     _drop_from_page_cache(path)
-    read_s, direct, note = _read_all(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes,
-                                     threads=threads)
+    read_s, direct, note = diskio.read_through(path, file_bytes=file_bytes,
+                                               chunk_bytes=chunk_bytes, threads=threads)
     if not direct:
       note += '; read buffered after dropping the file from the page cache'
   finally:
