@@ -53,22 +53,36 @@ def groups(q: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                   cfg: ModelConfig) -> jax.Array:
-  """Causal attention of whole prompts over themselves.
+                   cfg: ModelConfig, chunk: int | None = None) -> jax.Array:
+  """Causal attention of whole prompts over themselves, `chunk` query positions at a time (each
+  chunk attends only to the positions up to its last: about half the work of the full square).
 
   Args:
     q: [b, s, q_dim] (scaled); k, v: [b, s, kv_dim] in q's dtype.
     mask: [b, s] bool, True for real tokens (prompts are left-padded).
+    chunk: query positions per chunk (default: prefill_chunk(s)).
   Returns:
-    [b, s, q_dim] attention output (before the output projection), in q's dtype.
+    [b, s, q_dim] attention output (before the output projection), in q's dtype. A padding
+    position (no real token at or before it) gets some average of values: nothing reads it.
   """
-  s = q.shape[1]
-  causal = jnp.tril(jnp.ones((s, s), bool))
-  allowed = (causal[None] & mask[:, None, :])[:, None, None]  # [b, 1, 1, q, t]
+  b, s = q.shape[:2]
+  chunk = chunk or prefill_chunk(s)
   kh, vh = heads(k, cfg.kv_heads, cfg), heads(v, cfg.kv_heads, cfg)  # [b, t, kv, d]
-  scores = jnp.einsum('bqkgd,btkd->bkgqt', groups(q, cfg), kh)
-  probs = masked_softmax(scores, allowed, axis=-1).astype(q.dtype)
-  return jnp.einsum('bkgqt,btkd->bqkgd', probs, vh).reshape(q.shape)
+  outs = []
+  for start in range(0, s, chunk):
+    end = min(s, start + chunk)
+    causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [q, t]
+    allowed = (causal[None] & mask[:, None, :end])[:, None, None]  # [b, 1, 1, q, t]
+    scores = jnp.einsum('bqkgd,btkd->bkgqt', groups(q[:, start:end], cfg), kh[:, :end])
+    probs = masked_softmax(scores, allowed, axis=-1).astype(q.dtype)
+    outs.append(jnp.einsum('bkgqt,btkd->bqkgd', probs, vh[:, :end]).reshape(b, end - start, -1))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def prefill_chunk(s: int) -> int:
+  """Query positions per chunk of a prompt of s: 64 (the fastest on XLA:CPU at s = 512, 1.8x
+  the unchunked square), more for long prompts to keep the program at <= 16 chunks."""
+  return max(64, -(-s // 16))
 
 
 def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: ModelConfig):
