@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -24,13 +23,9 @@ from tools.benchlib import report_error, run_tool
 
 
 def best_ms(fn: Callable[[], Any], repeats: int) -> float:
+  from flexjax.hardware import best_seconds
   fn()  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times) * 1e3
+  return best_seconds(fn, repeats) * 1e3
 
 
 def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int],
