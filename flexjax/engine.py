@@ -170,7 +170,8 @@ class Engine:
       # once into it (or kept as a converted checkpoint packed them) instead of in every run.
       if (policy.compress_weight
           or plan_lib.weight_totals(self.config, policy, self.sizes).placed['disk']):
-        self.layout = open_layout(weights, policy, cpu_quantizer(self.steps.quantize, self.steps.cpu),
+        self.layout = open_layout(weights, policy,
+                                  cpu_quantizer(self.steps.quantize, self.steps.cpu),
                                   cache_dir=weights_cache, drop_page_cache=drop_page_cache,
                                   progress=progress)
       self._stages = place_weights(weights, policy, self.sizes, self.storage, self.steps,
