@@ -96,10 +96,14 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   flops_layer = 2 * layer_matmul_params(cfg)  # per token
   q_dim = cfg.q_dim  # attention's width: scores and weighted sums over every query head
   mm_p, mm_g = hw.matmul_flops(gbs * s), hw.matmul_flops(gbs)
-  bmm_p, bmm_g = hw.attention_flops(gbs), hw.attention_flops(gbs)
+  bmm_p, bmm_g = hw.prompt_attention_flops(gbs), hw.attention_flops(gbs)
 
+  # A CPU 'device' takes the host's aligned weight buffers without a copy (mover); elsewhere
+  # every loaded weight byte crosses host -> device.
+  w_put_bw = math.inf if hw.copies_share_compute else hw.ctog_bw
+  w_put = w_layer / w_put_bw
   prefill = {
-      'ctog': term(wc=w_layer / hw.ctog_bw, wd=w_layer / hw.ctog_bw,
+      'ctog': term(wc=w_put, wd=w_put,
                    hc=bls * s * hid / hw.ctog_bw, hd=bls * s * hid / hw.ctog_bw),
       'gtoc': term(cc=bls * s * 2 * k_tok / hw.gtoc_bw, cd=bls * s * 2 * k_tok / hw.gtoc_bw,
                    hc=bls * s * hid / hw.gtoc_bw, hd=bls * s * hid / hw.gtoc_bw),
@@ -112,7 +116,7 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   attention_cpu = bls * 4 * avg * q_dim / hw.cpu_flops
   offloaded_attention = attention_cpu if cpu_att else attention_device
   decode = {
-      'ctog': term(wc=w_layer / hw.ctog_bw, wd=w_layer / hw.ctog_bw, cc=cache_in, cd=cache_in,
+      'ctog': term(wc=w_put, wd=w_put, cc=cache_in, cd=cache_in,
                    hc=bls * hid / hw.ctog_bw, hd=bls * hid / hw.ctog_bw),
       'gtoc': term(cc=bls * 2 * k_tok / hw.gtoc_bw, cd=bls * 2 * k_tok / hw.gtoc_bw,
                    hc=bls * hid / hw.gtoc_bw, hd=bls * hid / hw.gtoc_bw),
@@ -124,7 +128,7 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   }
   head_flops = 2 * cfg.embed_dim * cfg.vocab_size
   ends = lambda rows, mm: {
-      'ctog': term(wc=w_ends / hw.ctog_bw, wd=w_ends / hw.ctog_bw),
+      'ctog': term(wc=w_ends / w_put_bw, wd=w_ends / w_put_bw),
       'dtoc': term(wd=w_ends / hw.dtoc_bw),
       'compute': term(rows * head_flops / mm),
   }
@@ -133,7 +137,8 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   mem = planner.forms(policy, prompt_len=prompt_len, gen_len=gen_len)
   terms = [prefill, decode, ends(bls, hw.matmul_flops(gbs)), ends(bls, mm_g)]
   if hw.copies_share_compute:
-    terms = [_share_compute(t) for t in terms]
+    hidden = hw.disk_overlap if policy.overlap else 1.0  # without overlap the terms add anyway
+    terms = [_share_compute(t, hidden) for t in terms]
   return Model(prefill=terms[0], decode=terms[1], ends_prefill=terms[2], ends_decode=terms[3],
                memory=mem, num_layers=L, gen_len=n, block_size=bls, overlap=policy.overlap)
 
@@ -145,11 +150,19 @@ def layer_matmul_params(cfg: ModelConfig) -> int:
   return sum(math.prod(shape) for shape in shapes.values() if len(shape) == 2)
 
 
-def _share_compute(terms: dict[str, Linear]) -> dict[str, Linear]:
+def _share_compute(terms: dict[str, Linear], hidden: float = 1.0) -> dict[str, Linear]:
   """On a CPU 'device' the host<->device copies run on the cores that compute: they add up, and
-  only the disk terms overlap with them."""
+  only the disk terms overlap with them, `hidden` of the shorter of the two running behind the
+  longer (the rest adds): each pair's time is max(a, b) + (1 - hidden) min(a, b), the larger of
+  a + (1 - hidden) b and b + (1 - hidden) a."""
   shared = terms['compute'] + terms.get('ctog', Linear()) + terms.get('gtoc', Linear())
-  return {k: v for k, v in terms.items() if k in ('dtoc', 'ctod')} | {'compute': shared}
+  disk = {k: v for k, v in terms.items() if k in ('dtoc', 'ctod')}
+  out = {'compute': shared}
+  for name, form in disk.items():
+    out[name] = form + (1.0 - hidden) * shared
+    if hidden < 1.0:
+      out[f'compute+{name}'] = shared + (1.0 - hidden) * form
+  return out
 
 
 def predict(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib.Itemsizes, *,

@@ -44,16 +44,33 @@ class HardwareProfile:
   # True where the "device" is the host CPU: copies between tiers and layer compute then share
   # the same cores and memory bus, so only disk waits overlap with compute.
   copies_share_compute: bool = False
+  # The engine's prefill attention (whole prompts over themselves, in chunks), as FLOP/s of the
+  # full square 4·b·s²·q_dim; where None, prefill attention is charged at bmm_flops.
+  prefill_attention_flops: float | None = None
+  # The engine's own time per step (one layer on one GPU batch) beside its products: scheduling,
+  # dispatch, bookkeeping. Where None, steps are free (FlexGen's model).
+  step_overhead_s: float | None = None
+  # Share of the shorter of disk I/O and compute that runs hidden behind the other when both run
+  # at once: 1 where the disk needs no cores (DMA), less on machines whose reads take CPU time.
+  disk_overlap: float = 1.0
   # The runtime's own memory on this backend beside the plan's buffers (execution plan): kept
   # once the steps are compiled and have run, and the compiler's extra while compiling.
   runtime_overhead_bytes: int | None = None
   compile_overhead_bytes: int | None = None
 
   def matmul_flops(self, rows: int) -> float:
-    return _interpolate(self.mm_flops, rows)
+    """The matmul rate at `rows`, never below a smaller size's: a product of many rows can
+    always run as products of fewer (the measured tables dip where a size leaves the caches)."""
+    sizes = sorted(self.mm_flops)
+    envelope = dict(zip(sizes, np.maximum.accumulate([self.mm_flops[m] for m in sizes])))
+    return _interpolate(envelope, rows)
 
   def attention_flops(self, rows: int) -> float:
     return _interpolate(self.bmm_flops, rows)
+
+  def prompt_attention_flops(self, rows: int) -> float:
+    """Prefill attention's rate (the decode attention rate of `rows` where none was measured)."""
+    return self.prefill_attention_flops or self.attention_flops(rows)
 
   def to_json(self) -> str:
     d = dataclasses.asdict(self)
@@ -170,10 +187,11 @@ def t4_profile() -> HardwareProfile:
       bmm_flops={64: 0.079e12, 4096: 9.97e12}, cpu_flops=0.0123e12)
 
 
-def best_seconds(fn, repeats: int = 3) -> float:
-  """The shortest of `repeats` timed calls of fn (the least disturbed by a noisy machine)."""
+def best_seconds(fn, repeats: int = 3, min_total: float = 0.0) -> float:
+  """The shortest of `repeats` timed calls of fn (the least disturbed by a noisy machine), or
+  of more calls while they have taken less than `min_total` seconds (short calls vary most)."""
   times = []
-  for _ in range(repeats):
+  while len(times) < repeats or sum(times) < min_total and len(times) < 100:
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
@@ -192,9 +210,10 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   from flexjax import progress as progress_lib
   from flexjax.config import ModelConfig
   from flexjax.model import attention
+  from flexjax.model import linear
 
   sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048)
-  bar = progress_lib.bar(3 + len(sizes) + 4 + 1, 'measuring', unit='test', show=progress)
+  bar = progress_lib.bar(3 + len(sizes) + 4 + 4, 'measuring', unit='test', show=progress)
 
   device = device or jax.devices()[0]
   cpu = jax.devices('cpu')[0]
@@ -210,14 +229,22 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   dtoc, ctod = _disk_rates(host, scratch_dir)
   bar.update(1)
 
+  # The engine's product: weights as stored (float16), cast a tile at a time where the backend
+  # computes in float32 (a decode step of few rows is bound by reading them, not by FLOPs), and
+  # each weight read from memory, as a layer's are, not from a cache that holds a small matrix:
+  # one product on each of `size_mb` of distinct matrices in turn.
+  compute = jnp.float32 if device.platform == 'cpu' else jnp.float16
+  weights = [jax.device_put(np.ones((hidden, 4 * hidden), np.float16), device)
+             for _ in range(max(1, size_mb * 2**20 // (8 * hidden * hidden)))]
+
   def matmul_rate(rows, backend):
-    a = jax.device_put(np.ones((rows, hidden), np.float32), backend)
-    b = jax.device_put(np.ones((hidden, 4 * hidden), np.float32), backend)
-    f = jax.jit(jnp.matmul)
-    f(a, b).block_until_ready()
-    rate = 2 * rows * hidden * 4 * hidden / best_seconds(lambda: f(a, b).block_until_ready())
+    a = jax.device_put(np.ones((rows, hidden), compute), backend)
+    f = jax.jit(functools.partial(linear.dense, dtype=compute))
+    f(a, weights[0]).block_until_ready()
+    seconds = best_seconds(lambda: [f(a, w) for w in weights][-1].block_until_ready(),
+                           min_total=0.5)
     bar.update(1)
-    return rate
+    return 2 * rows * hidden * 4 * hidden * len(weights) / seconds
 
   probe_cfg = ModelConfig(name='attention-probe', num_layers=1, hidden_size=hidden,
                           num_heads=hidden // 64, ffn_dim=4 * hidden, vocab_size=64,
@@ -230,17 +257,102 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
     mask = jax.device_put(np.ones((rows, 512), bool), backend)
     f = jax.jit(functools.partial(attention.attend_decode, cfg=probe_cfg))
     f(*args, mask).block_until_ready()
-    rate = 4 * rows * hidden * 512 / best_seconds(lambda: f(*args, mask).block_until_ready())
+    rate = 4 * rows * hidden * 512 / best_seconds(lambda: f(*args, mask).block_until_ready(),
+                                                  min_total=0.5)
     bar.update(1)
     return rate
+
+  def prefill_attention_rate(rows, positions=512):
+    args = [jax.device_put(np.ones((rows, positions, hidden), compute), device)
+            for _ in range(3)]
+    mask = jax.device_put(np.ones((rows, positions), bool), device)
+    f = jax.jit(functools.partial(attention.prefill_attend, cfg=probe_cfg))
+    f(*args, mask).block_until_ready()
+    seconds = best_seconds(lambda: f(*args, mask).block_until_ready())
+    bar.update(1)
+    return 4 * rows * positions * positions * hidden / seconds
 
   with bar:
     mm = {m: matmul_rate(m, device) for m in sizes}
     bmm = {m: attention_rate(m, device) for m in sizes[:4]}
     cpu_flops = attention_rate(32, cpu)
+    prefill_attention = prefill_attention_rate(4)
+    overhead = step_overhead()
+    bar.update(1)
+    a = jax.device_put(np.ones((8, hidden), compute), device)  # a decode step's rows
+    product = jax.jit(functools.partial(linear.dense, dtype=compute))
+    product(a, weights[0]).block_until_ready()
+    overlap = _disk_overlap(
+        lambda: [product(a, w) for w in weights][-1].block_until_ready(), host, scratch_dir)
+    bar.update(1)
   return HardwareProfile(name=f'{device.platform}:{device.device_kind}', ctog_bw=ctog,
                          gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod, mm_flops=mm, bmm_flops=bmm,
-                         cpu_flops=cpu_flops, copies_share_compute=device.platform == 'cpu')
+                         cpu_flops=cpu_flops, copies_share_compute=device.platform == 'cpu',
+                         prefill_attention_flops=prefill_attention, step_overhead_s=overhead,
+                         disk_overlap=overlap)
+
+
+def step_overhead(num_layers: int = 4, gpu_batches: int = 8, gen_len: int = 9) -> float:
+  """Seconds per decode step of one layer on one GPU batch of the engine itself, its products
+  negligible: a model of width 64 decodes one sequence per GPU batch, everything resident."""
+  from flexjax.config import ModelConfig
+  from flexjax.engine import Engine, GenerationConfig
+  from flexjax.policy import Policy
+  from flexjax.weights import DummyWeights
+  cfg = ModelConfig(name='overhead-probe', num_layers=num_layers, hidden_size=64, num_heads=4,
+                    ffn_dim=128, vocab_size=256, max_positions=64)
+  policy = Policy(gpu_batch_size=1, num_gpu_batches=gpu_batches, w_gpu_percent=100)
+  prompts = [[2, 10 + i, 20 + i] for i in range(gpu_batches)]
+  gen = GenerationConfig(gen_len=gen_len, stop_at_eos=False)
+  with Engine(DummyWeights(cfg, 'float32'), policy=policy) as engine:
+    engine.generate(prompts, gen)  # compiles
+    decode_s = min(engine.generate(prompts, gen).decode_s for _ in range(2))
+  return decode_s / ((gen_len - 1) * (num_layers + 2) * gpu_batches)
+
+
+def _disk_overlap(compute, data: np.ndarray, scratch_dir: str | None) -> float:
+  """Share of the shorter of an O_DIRECT file read and a run of `compute` calls (decode-sized
+  products, as long as the read) hidden when the two run at once on two threads."""
+  import threading
+  fd, path = tempfile.mkstemp(prefix='flexjax-overlap-', dir=scratch_dir)
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      data.tofile(f)
+      f.flush()
+      os.fsync(f.fileno())
+    nbytes = data.nbytes // diskio.BLOCK * diskio.BLOCK
+
+    def read() -> float:
+      rfd = os.open(path, os.O_RDONLY)
+      try:
+        os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(rfd)
+      return diskio.read_through(path, file_bytes=nbytes)[0]
+
+    read_s = min(read() for _ in range(2))
+    once = best_seconds(compute)
+    calls = max(1, round(read_s / once))
+
+    def computing() -> float:
+      start = time.perf_counter()
+      for _ in range(calls):
+        compute()
+      return time.perf_counter() - start
+
+    compute_s = min(computing() for _ in range(2))
+    both = []
+    for _ in range(2):
+      reader = threading.Thread(target=read)
+      start = time.perf_counter()
+      reader.start()
+      computing()
+      reader.join()
+      both.append(time.perf_counter() - start)
+  finally:
+    os.unlink(path)
+  hidden = (read_s + compute_s - min(both)) / min(read_s, compute_s)
+  return float(min(1.0, max(0.0, hidden)))
 
 
 def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float]:

@@ -21,6 +21,8 @@ from flexjax.policy import Policy
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 _AUX = ('Tp', 'Tg', 'Ep', 'Eg')
+TIE = 0.03  # predicted throughputs this close are the same to the cost model
+MAX_CHECKED = 6  # candidates whose real plan is made before the best of them is taken
 _VARS = cost_model.FRACTIONS + _AUX
 # Policy percent fields -> the LP's placement fractions (disk shares are what remains).
 PERCENT_FIELDS = {'w_gpu_percent': 'wg', 'w_cpu_percent': 'wc', 'cache_gpu_percent': 'cg',
@@ -215,14 +217,40 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
                                               > max_block_seconds):
           continue
         found.append(SearchResult(policy, prediction, plan, 0, 0.0))
-  for best in sorted(found, key=lambda r: -r.prediction.throughput):
+  # The real plan (steps compiled at their shapes) may move data further down than the
+  # estimate did; a candidate it slows below the tie is kept aside while the next is checked.
+  checked: list[SearchResult] = []
+  top = max((r.prediction.throughput for r in found), default=0.0)
+  for best in _ranked(found)[:MAX_CHECKED]:
     policy, plan = _repair(planner, best.policy, budgets, prompt_len, gen_len,
                            fixed=fixed_percents, estimate=False)
     if policy is not None:
       prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
                                       gen_len=gen_len, planner=planner)
-      return SearchResult(policy, prediction, plan, tried, time.perf_counter() - start)
+      checked.append(SearchResult(policy, prediction, plan, tried, 0.0))
+      if prediction.throughput >= (1 - TIE) * top:
+        break
+  if checked:
+    best = max(checked, key=lambda r: r.prediction.throughput)
+    if checked[-1].prediction.throughput >= (1 - TIE) * top:
+      best = checked[-1]
+    return dataclasses.replace(best, seconds=time.perf_counter() - start)
   raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len))
+
+
+def _ranked(found: list[SearchResult]) -> list[SearchResult]:
+  """Candidates best first: those within TIE of the highest predicted throughput (the model's
+  resolution; a disk-bound decode predicts the same time for any batch geometry) by fewest GPU
+  batches, then largest GPU batch (fewer, larger steps: less per-step work the model does not
+  see), then the rest by predicted throughput."""
+  if not found:
+    return []
+  top = max(r.prediction.throughput for r in found)
+  near = [r for r in found if r.prediction.throughput >= (1 - TIE) * top]
+  rest = [r for r in found if r.prediction.throughput < (1 - TIE) * top]
+  near.sort(key=lambda r: (r.policy.num_gpu_batches, -r.policy.gpu_batch_size,
+                           -r.prediction.throughput))
+  return near + sorted(rest, key=lambda r: -r.prediction.throughput)
 
 
 def _shortfall(planner, template, budgets, prompt_len, gen_len) -> str:
