@@ -1,5 +1,5 @@
 """Backend choices made from the platform: the default compute dtype, and the CPU backend kept
-beside the accelerator when JAX_PLATFORMS names only the latter."""
+beside the accelerator when JAX_PLATFORMS names only the latter; the engine's step overhead."""
 
 import jax
 import pytest
@@ -70,3 +70,10 @@ def test_include_cpu_platform_updates_jax_platforms(jax_platforms):
   jax_platforms(None)
   hardware.include_cpu_platform()
   assert jax.config.jax_platforms is None
+
+
+def test_step_overhead_is_measured_on_the_engine():
+  """The engine's own time per layer step (a model too small for its products to count) is
+  positive and far below a real layer's products on any machine (tens of milliseconds)."""
+  seconds = hardware.step_overhead(num_layers=2, gpu_batches=2, gen_len=3)
+  assert 0 < seconds < 0.01

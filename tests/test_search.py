@@ -142,3 +142,83 @@ def test_runtime_stays_in_the_plan_and_the_lp_reads_the_same_plan(pre_ln, tmp_pa
   predicted = model.predict(cost_model.fractions(policy, engine.config)).peak_bytes
   for tier in ('device', 'host', 'disk', 'ram'):
     assert predicted[tier] == pytest.approx(result.planned_peak_bytes[tier], rel=0.15, abs=2**16)
+
+
+def test_matmul_rate_never_drops_with_more_rows():
+  """A dip in the measured table (a size that left the caches) does not make a larger batch
+  look slower than a smaller one: it could run as products of the smaller size."""
+  hw = toy_hardware(mm_flops={1: 1e10, 8: 8e10, 128: 2e11, 512: 1.5e11, 2048: 1.6e11})
+  rates = [hw.matmul_flops(m) for m in (1, 4, 8, 64, 128, 300, 512, 1024, 2048, 8192)]
+  assert rates == sorted(rates)
+  assert hw.matmul_flops(8192) == 2e11 and hw.matmul_flops(8) == 8e10
+
+
+def _cpu_model(disk_overlap: float, overlap: bool = True):
+  hw = toy_hardware(copies_share_compute=True, disk_overlap=disk_overlap)
+  policy = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0, overlap=overlap)
+  model = cost_model.build(TINY, policy, hw, FP32, prompt_len=16, gen_len=8)
+  return model, cost_model.fractions(policy, TINY)
+
+
+def test_disk_overlap_on_a_cpu_device_adds_the_unhidden_share():
+  """hidden = 1: a layer takes the longer of its disk reads and its compute; hidden = 0: both;
+  in between, the longer plus the unhidden share of the shorter (the same without overlap)."""
+  full, x = _cpu_model(1.0)
+  compute = full.decode['compute'].value(x)
+  disk = full.decode['dtoc'].value(x)
+  assert disk > compute > 0  # all weights on disk: the read is the longer
+  assert full.layer_time(full.decode, x) == pytest.approx(disk)
+  none, _ = _cpu_model(0.0)
+  assert none.layer_time(none.decode, x) == pytest.approx(disk + compute)
+  part, _ = _cpu_model(0.75)
+  assert part.layer_time(part.decode, x) == pytest.approx(disk + 0.25 * compute)
+  serial, _ = _cpu_model(0.75, overlap=False)
+  assert serial.layer_time(serial.decode, x) == pytest.approx(disk + compute)
+
+
+def test_weights_on_a_cpu_device_cost_no_copy():
+  """A CPU device takes host weight buffers as they are: loading host-tier weights adds no
+  copy time there, while a GPU pays host -> device for every byte."""
+  policy = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=100)
+  x = cost_model.fractions(policy, TINY)
+  cpu = cost_model.build(TINY, policy, toy_hardware(copies_share_compute=True), FP32,
+                         prompt_len=16, gen_len=8)
+  gpu = cost_model.build(TINY, policy, toy_hardware(), FP32, prompt_len=16, gen_len=8)
+  resident = cost_model.build(TINY, dataclasses.replace(policy, w_gpu_percent=100,
+                                                        w_cpu_percent=0),
+                              toy_hardware(copies_share_compute=True), FP32, prompt_len=16,
+                              gen_len=8)
+  xr = cost_model.fractions(dataclasses.replace(policy, w_gpu_percent=100, w_cpu_percent=0),
+                            TINY)
+  assert cpu.layer_time(cpu.decode, x) == pytest.approx(resident.layer_time(resident.decode, xr))
+  assert gpu.decode['ctog'].value(x) > 0
+
+
+def test_near_ties_go_to_fewer_gpu_batches():
+  """When decode is bound by the disk, every batch geometry of a block predicts about the same
+  time: the search then takes the fewest GPU batches (one product per weight per step)."""
+  hw = toy_hardware(copies_share_compute=True, dtoc_bw=1e7, mm_flops={1: 1e13, 4096: 1e13})
+  budgets = {'device': 10 * GIB, 'host': 10 * GIB, 'disk': 10 * GIB}
+  found = search(TINY, hw, budgets, prompt_len=16, gen_len=8, sizes=FP32,
+                 gpu_batch_sizes=(2, 4, 8), num_gpu_batches=(1, 2, 4), max_block_size=8,
+                 cpu_attention=(False,), template=Policy(w_gpu_percent=0, w_cpu_percent=0),
+                 fixed_percents=('w_gpu_percent', 'w_cpu_percent'))
+  assert found.policy.block_size == 8
+  assert found.policy.num_gpu_batches == 1, found.policy.describe()
+
+
+def test_ranking_takes_fewer_gpu_batches_within_the_tie_only():
+  """Within TIE of the best prediction, fewer GPU batches win; beyond it, throughput does."""
+  from flexjax.search import TIE, SearchResult, _ranked
+
+  def result(gbs, ngb, tok_s):
+    prediction = cost_model.Prediction(prefill_s=1.0, decode_s=1.0, throughput=tok_s,
+                                       peak_bytes={})
+    return SearchResult(Policy(gpu_batch_size=gbs, num_gpu_batches=ngb), prediction, {}, 0, 0.0)
+
+  near = 1 - TIE / 2
+  ranked = _ranked([result(2, 8, 10.0), result(16, 1, 10.0 * near), result(4, 4, 10.0 * near)])
+  assert [r.policy.num_gpu_batches for r in ranked] == [1, 4, 8]
+  far = 1 - 2 * TIE
+  ranked = _ranked([result(2, 8, 10.0), result(16, 1, 10.0 * far)])
+  assert [r.policy.num_gpu_batches for r in ranked] == [8, 1]
