@@ -279,11 +279,12 @@ def test_smollm2_config_and_tokenizer(smollm2_gguf, smollm2_tokenizer, tmp_path)
 # ---- converted checkpoints through the engine ----------------------------------------------
 
 
-def run(ckpt: Path, policy: Policy, prompts, gen_len: int, offload_dir: Path | None = None):
+def run(ckpt: Path, policy: Policy, prompts, gen_len: int, offload_dir: Path | None = None,
+        forced_tokens: np.ndarray | None = None):
   with Engine(Checkpoint(ckpt), policy=policy, compute_dtype='float32',
               offload_dir=None if offload_dir is None else str(offload_dir)) as engine:
     return engine.generate(prompts, GenerationConfig(gen_len=gen_len, stop_at_eos=False),
-                           return_logits=True)
+                           return_logits=True, forced_tokens=forced_tokens)
 
 
 def forced_reference(model, prompts, tokens: np.ndarray, pad_id: int) -> np.ndarray:
@@ -411,21 +412,22 @@ def test_smollm2_q4_1_blocks_are_kept_as_its_compressed_weights(smollm2, smollm2
 
 
 def test_smollm2_int4_cache_stays_within_its_bound(smollm2):
-  """4-bit KV cache (groups of 64 = one head): prefill reads no cache, so the first token is
-  exact; while the inputs are still identical the logits stay within 0.3 of the largest logit and
-  a mean KL of 0.1 nats (measured: 0.21 and 0.05; SmolLM2's 3 KV heads quantize coarsely), and
-  at least 40% of all 32 tokens agree (measured: 50%)."""
-  result = run(smollm2.ckpt, Policy(gpu_batch_size=12, compress_cache=True), smollm2.prompts,
-               GEN_LEN)
+  """4-bit KV cache (groups of 64 = one head), fed the exact run's tokens (teacher forcing, so
+  every step sees the same inputs as the reference and one early flip does not decide the
+  rest): prefill reads no cache, so the first token is exact; over all 32 steps the logits stay
+  within 0.35 of the largest logit and a mean KL of 0.1 nats, and the greedy token agrees at
+  >= 80% of the steps (measured: 0.26, 0.07 and 89%; SmolLM2's 3 KV heads quantize coarsely)."""
   ref = smollm2.reference
-  differs = result.tokens != ref.tokens
-  steps = (np.cumsum(differs, axis=1) - differs) == 0
+  result = run(smollm2.ckpt, Policy(gpu_batch_size=12, compress_cache=True), smollm2.prompts,
+               GEN_LEN, forced_tokens=ref.tokens)
   np.testing.assert_array_equal(result.logits[:, 0], ref.logits[:, 0])
-  error = np.abs(result.logits - ref.logits)[steps].max() / np.abs(ref.logits[steps]).max()
-  assert error < 0.3, error
-  kl = _kl(ref.logits, result.logits)[steps].mean()
+  error = np.abs(result.logits - ref.logits).max() / np.abs(ref.logits).max()
+  kl = _kl(ref.logits, result.logits).mean()
+  agree = (result.logits.argmax(-1) == ref.logits.argmax(-1)).mean()
+  print(f'int4 cache: error {error:.3f}, KL {kl:.4f}, greedy agreement {agree:.3f}')
+  assert error < 0.35, error
   assert kl < 0.1, kl
-  assert (~differs).mean() >= 0.4, (~differs).mean()
+  assert agree >= 0.8, agree
 
 
 def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
