@@ -97,6 +97,8 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   q_dim = cfg.q_dim  # attention's width: scores and weighted sums over every query head
   mm_p, mm_g = hw.matmul_flops(gbs * s), hw.matmul_flops(gbs)
   bmm_p, bmm_g = hw.prompt_attention_flops(gbs), hw.attention_flops(gbs)
+  # The engine's own time per stage step beside its products, once per GPU batch.
+  step = (hw.step_overhead_s or 0.0) * policy.num_gpu_batches
 
   # A CPU 'device' takes the host's aligned weight buffers without a copy (mover); elsewhere
   # every loaded weight byte crosses host -> device.
@@ -109,7 +111,7 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
                    hc=bls * s * hid / hw.gtoc_bw, hd=bls * s * hid / hw.gtoc_bw),
       'dtoc': term(wd=w_layer / hw.dtoc_bw, hd=bls * s * hid / hw.dtoc_bw),
       'ctod': term(cd=bls * s * 2 * k_tok / hw.ctod_bw, hd=bls * s * hid / hw.ctod_bw),
-      'compute': term(bls * s * flops_layer / mm_p + bls * 4 * s * s * q_dim / bmm_p),
+      'compute': term(bls * s * flops_layer / mm_p + bls * 4 * s * s * q_dim / bmm_p + step),
   }
   cache_in = 0.0 if cpu_att else bls * avg * kv_read_tok / hw.ctog_bw
   attention_device = bls * 4 * avg * q_dim / bmm_g
@@ -123,14 +125,14 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
       'dtoc': term(wd=w_layer / hw.dtoc_bw, cd=bls * avg * kv_read_tok / hw.dtoc_bw,
                    hd=bls * hid / hw.dtoc_bw),
       'ctod': term(cd=bls * 2 * k_tok / hw.ctod_bw, hd=bls * hid / hw.ctod_bw),
-      'compute': term(bls * flops_layer / mm_g, cg=attention_device, cc=offloaded_attention,
+      'compute': term(bls * flops_layer / mm_g + step, cg=attention_device, cc=offloaded_attention,
                       cd=offloaded_attention),
   }
   head_flops = 2 * cfg.embed_dim * cfg.vocab_size
   ends = lambda rows, mm: {
       'ctog': term(wc=w_ends / w_put_bw, wd=w_ends / w_put_bw),
       'dtoc': term(wd=w_ends / hw.dtoc_bw),
-      'compute': term(rows * head_flops / mm),
+      'compute': term(rows * head_flops / mm + 2 * step),  # embedding and head stages
   }
   if planner is None:
     planner = plan_lib.Planner.for_sizes(cfg, sizes, device_is_host=hw.copies_share_compute)

@@ -194,6 +194,20 @@ def test_weights_on_a_cpu_device_cost_no_copy():
   assert gpu.decode['ctog'].value(x) > 0
 
 
+def test_step_overhead_is_charged_per_gpu_batch_and_stage():
+  """The engine's measured time per stage step is paid once per GPU batch on every decoder layer
+  and on the embedding and head stages, for the prompt and for each generated token."""
+  policy = Policy(gpu_batch_size=4, num_gpu_batches=3, w_gpu_percent=100, overlap=False)
+  x = cost_model.fractions(policy, TINY)
+  kw = dict(prompt_len=16, gen_len=8)
+  bare = cost_model.build(TINY, policy, toy_hardware(), FP32, **kw).predict(x)
+  slow = cost_model.build(TINY, policy, toy_hardware(step_overhead_s=1e-3), FP32,
+                          **kw).predict(x)
+  stages = TINY.num_layers + 2
+  assert slow.prefill_s - bare.prefill_s == pytest.approx(3 * 1e-3 * stages)
+  assert slow.decode_s - bare.decode_s == pytest.approx(3 * 1e-3 * stages * 7)
+
+
 def test_near_ties_go_to_fewer_gpu_batches():
   """When decode is bound by the disk, every batch geometry of a block predicts about the same
   time: the search then takes the fewest GPU batches (one product per weight per step)."""
