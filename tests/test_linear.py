@@ -55,3 +55,20 @@ def test_decode_temporaries_are_tiles_not_a_float32_matrix():
   compiled = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32)).lower(x, w).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < rows * cols * 4 // 4, temp
+
+
+@pytest.mark.parametrize('lead', [(2, linear.CAST_ALL_ROWS), (2 * linear.CAST_ALL_ROWS + 37,)])
+def test_products_of_many_rows_cast_once_and_match(lead):
+  """A prompt-sized product casts the matrix once (XLA keeps its float32 copy) and multiplies
+  it by row blocks, the last one shorter: the same values as one product."""
+  rng = np.random.default_rng(1)
+  rows, cols = 256, 384
+  x = jnp.asarray(rng.standard_normal((*lead, rows)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((rows, cols)) / np.sqrt(rows), jnp.float16)
+  want = jnp.einsum('...i,io->...o', x, w.astype(jnp.float32))
+  fn = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32))
+  got = fn(x, w)
+  assert got.shape == (*lead, cols) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+  temp = fn.lower(x, w).compile().memory_analysis().temp_size_in_bytes
+  assert temp >= rows * cols * 4, temp

@@ -5,6 +5,10 @@ a tile of rows at a time: the float32 copy of a tile stays in cache, so a CPU ba
 in float32 reads two bytes per weight from memory instead of writing and re-reading a float32
 copy of the whole matrix (on this path a decode step runs faster than with float32 weights).
 Where the dtypes already agree (float16 compute on a GPU, dequantized int4) it is one product.
+A product of many rows (a prompt) instead casts the whole matrix once and multiplies it by
+blocks of CAST_ALL_ROWS rows: the cast is then a small share of the work, and products with a
+deep contracted axis run faster than the sums of thin tiles (about 190 against 150-170 GFLOP/s
+on the 2-core CPU for 4096 rows).
 
 Every placement hands the steps the same dtypes, so every placement runs the same products.
 """
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 TILE_ELEMENTS = 1 << 20  # weights per cast tile (4 MiB in float32): a core's cache, not memory
+CAST_ALL_ROWS = 1024  # rows from which a product casts the whole matrix, and its row blocks
 
 
 def tile_rows(rows: int, cols: int) -> int:
@@ -44,6 +49,8 @@ def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     return jnp.einsum('...i,io->...o', x, w)
   rows, cols = w.shape
   lead, flat, r, tiles, main = _tiling(x, w)
+  if flat.shape[0] >= CAST_ALL_ROWS:
+    return _row_blocks(flat, w.astype(dtype)).reshape(*lead, cols)
   xt = flat[:, :main].reshape(-1, tiles, r).transpose(1, 0, 2)  # [tiles, m, r]
   wt = w[:main].reshape(tiles, r, cols)
 
@@ -55,6 +62,15 @@ def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   if main < rows:
     total = total + flat[:, main:] @ w[main:].astype(dtype)
   return total.reshape(*lead, cols)
+
+
+def _row_blocks(flat: jax.Array, w: jax.Array) -> jax.Array:
+  """flat [m, i] @ w [i, o] as products of CAST_ALL_ROWS rows (the last one shorter)."""
+  m, n = flat.shape[0], CAST_ALL_ROWS
+  whole = m // n * n
+  out = jax.lax.map(lambda block: block @ w, flat[:whole].reshape(m // n, n, -1))
+  out = out.reshape(whole, w.shape[1])
+  return out if whole == m else jnp.concatenate([out, flat[whole:] @ w], axis=0)
 
 
 def layer(p: dict, x: jax.Array) -> jax.Array:
