@@ -7,7 +7,9 @@ prefill cost per layer at a given batch and context, apart from any data movemen
 Per rows x positions: `decode_attention` (attention.attend_decode: one new token per sequence
 over its cache) with the bytes of cache it reads per second, and `decode_layer` (the jitted
 decode step of one layer, weights stored float16 and cast in the step, cache on the device).
-Per rows x prompt length: `prefill_attention` (attention.prefill_attend, causal, in chunks).
+Per rows x prompt length: `prefill_attention` (attention.prefill_attend, causal, in chunks)
+and `prefill_layer` (the jitted prefill step of one layer, weights stored float16, no cache
+kept), each with its FLOP rate.
 Each time is the best of --repeats runs after a compiling run.
 """
 
@@ -36,6 +38,7 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
   from flexjax.model import attention
   from flexjax.model import params as params_lib
   from flexjax.policy import Policy
+  from flexjax import steps as steps_lib
   from flexjax.steps import Steps
 
   device = jax.devices()[0]
@@ -46,6 +49,11 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
                          device)
   attend = jax.jit(functools.partial(attention.attend_decode, cfg=cfg))
   prefill = jax.jit(functools.partial(attention.prefill_attend, cfg=cfg))
+  prefill_layer = jax.jit(functools.partial(
+      steps_lib.prefill_layer, cfg=cfg, compute_dtype=np.float32, cache_dtype=np.float32,
+      cache_quant=None, device_rows=0))
+  mm_flops = 2 * sum(int(np.prod(shape)) for shape in params_lib.flatten(
+      cfg.layer_shapes()).values() if len(shape) == 2)
   out = []
   for b in rows:
     steps = Steps(cfg, Policy(gpu_batch_size=b), storage_dtype='float16',
@@ -71,8 +79,14 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
     for s in prompt_lens:
       q, k, v = put((b, s, cfg.q_dim)), put((b, s, cfg.kv_dim)), put((b, s, cfg.kv_dim))
       mask = jax.device_put(np.ones((b, s), bool), device)
-      out.append({'case': 'prefill_attention', 'rows': b, 'positions': s,
-                  'ms': best_ms(lambda: prefill(q, k, v, mask).block_until_ready(), repeats)})
+      attention_flops = 4 * b * cfg.q_dim * s * (s + 1) / 2  # causal
+      ms = best_ms(lambda: prefill(q, k, v, mask).block_until_ready(), repeats)
+      out.append({'case': 'prefill_attention', 'rows': b, 'positions': s, 'ms': ms,
+                  'gflop_s': attention_flops / ms / 1e6})
+      x = put((b, s, cfg.hidden_size))
+      ms = best_ms(lambda: jax.block_until_ready(prefill_layer(layer, x, None, mask)), repeats)
+      out.append({'case': 'prefill_layer', 'rows': b, 'positions': s, 'ms': ms,
+                  'gflop_s': (b * s * mm_flops + attention_flops) / ms / 1e6})
   return [{'model': cfg.name, 'device': f'{device.platform}:{device.device_kind}', **r}
           for r in out]
 
@@ -108,6 +122,7 @@ def run_cli(fv) -> int:
     return report_error('layer_bench', e)
   for r in records:
     extra = f'  cache read {r["cache_gb_s"]:.1f} GB/s' if 'cache_gb_s' in r else ''
+    extra += f'  {r["gflop_s"]:.1f} GFLOP/s' if 'gflop_s' in r else ''
     print(f'{r["model"]} {r["case"]:18s} rows={r["rows"]:<4d} positions={r["positions"]:<6d} '
           f'{r["ms"]:9.2f} ms{extra}')
   if fv.output:
