@@ -133,6 +133,9 @@ class Engine:
     weights_cache: where streaming layouts of dummy weights and of read-only checkpoints are
       written (default: stream.default_cache_dir()).
     io_threads: threads reading weights from disk.
+    host_memory: where host-tier weights live (hardware.host_memory_kind): 'auto' (pinned host
+      memory on an accelerator that offers it, numpy buffers on the CPU backend), 'pinned' or
+      'pageable'.
     progress: show a progress bar while a streaming layout is written.
   """
 
@@ -142,11 +145,12 @@ class Engine:
                overhead: plan_lib.Overhead | None = None,
                planner: plan_lib.Planner | None = None, offload_dir: str | None = None,
                drop_page_cache: bool = False, weights_cache: str | None = None,
-               io_threads: int = 3, progress: bool = False):
+               io_threads: int = 3, host_memory: str = 'auto', progress: bool = False):
     self.config: ModelConfig = weights.config
     self.policy = policy
     self.weight_dtype = weights.dtype
     self.device = device or jax.local_devices()[0]
+    self.host_memory = hardware.host_memory_kind(self.device, host_memory)
     compute_dtype = compute_dtype or hardware.default_compute_dtype(self.device.platform)
     self.compute_dtype = compute_dtype
     self.cache_dtype = cache_dtype or compute_dtype
@@ -161,7 +165,8 @@ class Engine:
     placing = self.planner.weights_plan(policy)
     placing.check(self.budgets)
     self.storage = Storage(self.device, self.budgets, capacities=_capacities(placing),
-                           offload_dir=offload_dir, drop_page_cache=drop_page_cache)
+                           offload_dir=offload_dir, drop_page_cache=drop_page_cache,
+                           host_memory=self.host_memory)
     self.stats = _new_stats(self.config)
     self.reader = diskio.Reader(io_threads)
     self.layout: stream_lib.StreamLayout | None = None

@@ -32,6 +32,7 @@ from flexjax.checkpoint import Checkpoint
 from flexjax.config import DTYPES
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
+from flexjax.hardware import HOST_MEMORY
 from flexjax.policy import Policy
 from flexjax.tokenizer import Tokenizer
 
@@ -55,6 +56,7 @@ class HarnessOptions:
   offload_dir: str | None = None
   weights_cache: str | None = None
   io_threads: int = 3
+  host_memory: str = 'auto'  # host-tier weights: 'auto' | 'pinned' | 'pageable'
   max_length: int | None = None  # None: the model's positions
   max_gen_toks: int = 256  # generate_until's default when a task names none (lm-eval's hf: 256)
   add_bos_token: bool = True  # OPT was trained with BOS first, as lm-eval's hf model encodes it
@@ -95,6 +97,9 @@ def options_from_args(args: dict[str, Any]) -> HarnessOptions:
     value = getattr(options, key)
     if value is not None and value <= 0:
       raise FlexjaxError(f'model_args {key}={value} must be positive (omit it for the default)')
+  if options.host_memory not in HOST_MEMORY:
+    raise FlexjaxError(f'model_args host_memory={options.host_memory!r} is not one of '
+                       f'{", ".join(HOST_MEMORY)}')
   return options
 
 
@@ -260,7 +265,7 @@ class FlexjaxLM(TemplateLM):
       self._engine = Engine(self._checkpoint, policy=o.policy, compute_dtype=o.compute_dtype,
                             cache_dtype=o.cache_dtype, budgets=o.budgets,
                             offload_dir=o.offload_dir, weights_cache=o.weights_cache,
-                            io_threads=o.io_threads)
+                            io_threads=o.io_threads, host_memory=o.host_memory)
       self._closer = weakref.finalize(self, self._engine.close)
     return self._engine
 

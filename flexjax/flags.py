@@ -10,6 +10,7 @@ from absl import logging as absl_logging
 from flexjax.config import DTYPES, PRESETS
 from flexjax.engine import GenerationConfig
 from flexjax.errors import FlexjaxError
+from flexjax.hardware import HOST_MEMORY
 from flexjax.policy import PLACEMENTS, Policy
 from flexjax.run import RunConfig
 
@@ -90,6 +91,10 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       '~/.cache/flexjax).', **f)
   flags.DEFINE_integer('io_threads', 3, 'Threads reading weights from disk.', lower_bound=1,
                        upper_bound=16, **f)
+  flags.DEFINE_enum('host_memory', 'auto', list(HOST_MEMORY), 'Where host-tier weights live: '
+                    'pinned host memory, which the device copies by DMA (auto: on an accelerator '
+                    'that offers it), or pageable numpy buffers (auto on the CPU backend, where '
+                    'host and device share RAM and no copy is made).', **f)
   flags.DEFINE_bool('compress_weight', False, 'Store weight matrices quantized (group-wise).',
                     **f)
   flags.DEFINE_bool('compress_cache', False, 'Store the KV cache quantized (group-wise).', **f)
@@ -149,7 +154,8 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
       hw_profile=fv.hw_profile, max_block_seconds=fv.max_block_seconds,
       max_block_size=fv.max_block_size, dry_run=fv.dry_run,
       budgets=budgets, offload_dir=fv.offload_dir, drop_page_cache=fv.drop_page_cache,
-      weights_cache=fv.weights_cache, io_threads=fv.io_threads, output=fv.output,
+      weights_cache=fv.weights_cache, io_threads=fv.io_threads,
+      host_memory=fv.host_memory, output=fv.output,
       input=fv.input, bucket=fv.bucket, progress=fv.progress)
 
 

@@ -125,6 +125,36 @@ def default_compute_dtype(platform: str) -> str:
   return 'float16' if platform in GPU_PLATFORMS else 'float32'
 
 
+HOST_MEMORY = ('auto', 'pinned', 'pageable')
+
+
+def host_memory_kind(device, requested: str = 'auto') -> str | None:
+  """The jax memory kind host-tier weights live in: 'pinned_host' (page-locked host memory the
+  device copies by DMA at the link's full rate, the paper's pinned CPU buffers) or None (aligned
+  numpy buffers, which the runtime copies through its own staging).
+
+  auto: pinned where the device is an accelerator that offers it. On the CPU backend host and
+  device are one RAM and an aligned numpy buffer becomes a device array without a copy, which
+  pinned memory would add. pinned: pinned wherever the device offers it (tests use it on the
+  CPU backend); an error where it does not.
+  """
+  if requested not in HOST_MEMORY:
+    raise FlexjaxError(f'host_memory={requested!r} is not one of {", ".join(HOST_MEMORY)}')
+  if requested == 'pageable':
+    return None
+  try:
+    kinds = sorted(memory.kind for memory in device.addressable_memories())
+  except (AttributeError, NotImplementedError, RuntimeError):
+    kinds = []
+  if requested == 'pinned':
+    if 'pinned_host' not in kinds:
+      raise FlexjaxError(f'--host_memory=pinned: device {device} offers no pinned host memory '
+                         f'(its memory kinds: {", ".join(kinds) or "none listed"}); use '
+                         '--host_memory=auto or --host_memory=pageable')
+    return 'pinned_host'
+  return 'pinned_host' if device.platform != 'cpu' and 'pinned_host' in kinds else None
+
+
 def with_cpu_platform(platforms: str | None) -> str | None:
   """A jax_platforms value (JAX_PLATFORMS) that also starts the CPU backend: 'cuda' ->
   'cuda,cpu' (the first stays the default device). None or '' (every platform jax finds, the
@@ -221,7 +251,18 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   host = np.random.default_rng(0).random(n, dtype=np.float32)
 
   nbytes = host.nbytes
-  ctog = nbytes / best_seconds(lambda: jax.device_put(np.array(host), device).block_until_ready())
+  # Host to device as host-tier weights move: from pinned host memory where the engine keeps
+  # them there (an accelerator's DMA), else from a numpy buffer.
+  pinned = host_memory_kind(device)
+  if pinned is None:
+    ctog = nbytes / best_seconds(
+        lambda: jax.device_put(np.array(host), device).block_until_ready())
+  else:
+    from jax.sharding import SingleDeviceSharding
+    source = jax.device_put(host, SingleDeviceSharding(device, memory_kind=pinned))
+    target = SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+    ctog = nbytes / best_seconds(lambda: jax.device_put(source, target).block_until_ready())
+    del source
   bar.update(1)
   on_device = jax.device_put(host, device)
   gtoc = nbytes / best_seconds(lambda: np.array(on_device))

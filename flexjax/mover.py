@@ -261,7 +261,9 @@ class Mover:
       host = stored
     self.storage.reserve('device', stored.nbytes, 'weights.transfer')
     try:
-      out = jax.device_put(host, self.storage.device)
+      # pinned host memory is a jax array: it moves by DMA to the device's own memory
+      out = jax.device_put(host, self.storage.device if isinstance(host, np.ndarray)
+                           else self.storage.device_memory)
       if packed:
         out = self.steps.dequantize(quant_lib.Packed(out, value.dim, value.config))
       out = out.block_until_ready()

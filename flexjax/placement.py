@@ -17,8 +17,8 @@ from flexjax.storage import Storage
 from flexjax.weights import WeightSource
 
 # A stage's placed tensors: (slot, value) per plan.TensorSlot (a tensor, or its rows on one tier),
-# where value is a device array, a host array, a stream.StreamTensor (disk), or a quant.Packed
-# around one of them.
+# where value is a device array, a host array (numpy, or a jax array in pinned host memory), a
+# stream.StreamTensor (disk), or a quant.Packed around one of them.
 Placed = list[tuple[plan_lib.TensorSlot, object]]
 
 
@@ -94,8 +94,7 @@ def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage
           array = np.array(array, copy=True)
         value = jax.device_put(array, storage.device).block_until_ready()  # as stored
       else:
-        value = storage.host_array(array.shape, array.dtype, 'weights.host')
-        value[...] = array
+        value = storage.host_weights(array, 'weights.host')
     placed.append((slot, quant_lib.Packed(value, slot.shape[-1], policy.quant)
                    if slot.packed else value))
   return placed

@@ -54,6 +54,7 @@ class RunConfig:
   drop_page_cache: bool = False
   weights_cache: str | None = None  # streaming layouts of dummy / read-only weights
   io_threads: int = 3  # threads reading weights from disk
+  host_memory: str = 'auto'  # host-tier weights: 'auto' | 'pinned' | 'pageable'
   output: str | None = None
   input: str | None = None  # a batch job's JSONL rows (flexjax.job); output is then required
   bucket: bool = True  # a job's blocks padded to length buckets (else to its longest row)
@@ -239,6 +240,7 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
   if wrap is not None:
     source = wrap(source)
   device = jax.local_devices()[0]  # this process's own (a distributed run lists all of them)
+  hardware.host_memory_kind(device, rc.host_memory)  # refused here, before any work
   compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
   watch = MemoryWatch.start(device)  # the idle process, before anything is planned
   budgets = detected_budgets(rc, device)
@@ -283,7 +285,8 @@ def engine_for(rc: RunConfig, st: Setup, policy: Policy) -> Engine:
                 cache_dtype=rc.cache_dtype, device=st.device, budgets=st.budgets,
                 planner=st.planner, offload_dir=rc.offload_dir,
                 drop_page_cache=rc.drop_page_cache, weights_cache=rc.weights_cache,
-                io_threads=rc.io_threads, progress=progress_lib.enabled(rc.progress))
+                io_threads=rc.io_threads, host_memory=rc.host_memory,
+                progress=progress_lib.enabled(rc.progress))
 
 
 def run(rc: RunConfig) -> dict[str, Any]:
@@ -374,6 +377,7 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult,
       'weights': rc.weights,
       'device': f'{engine.device.platform}:{engine.device.device_kind}',
       'weight_dtype': engine.weight_dtype,
+      'host_memory': 'pinned' if engine.host_memory else 'pageable',
       'compute_dtype': engine.compute_dtype,
       'cache_dtype': engine.cache_dtype,
       'policy': engine.policy.describe(),

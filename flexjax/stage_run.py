@@ -189,6 +189,7 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
                      device=st.device, budgets=st.budgets, planner=st.planner,
                      offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
                      weights_cache=rc.weights_cache, io_threads=rc.io_threads,
+                     host_memory=rc.host_memory,
                      progress=False) as engine:
       result = engine.generate(prompts, rc.generation)
   measured = st.watch.peaks()

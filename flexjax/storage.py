@@ -174,9 +174,13 @@ class Storage:
 
   def __init__(self, device: jax.Device, budgets: dict[str, int | None] | None = None, *,
                capacities: dict[str, int] | None = None,
-               offload_dir: str | os.PathLike | None = None, drop_page_cache: bool = False):
+               offload_dir: str | os.PathLike | None = None, drop_page_cache: bool = False,
+               host_memory: str | None = None):
     budgets = budgets or {}
     self.device = device
+    self.host_memory = host_memory  # jax memory kind of host-tier weights; None: numpy buffers
+    self.device_memory = jax.sharding.SingleDeviceSharding(
+        device, memory_kind=device.default_memory().kind)
     self.accounts = {tier: TierAccount(tier, budgets.get(tier)) for tier in TIERS}
     self._capacities = capacities
     self.pools: dict[str, TierAccount] = {}
@@ -249,6 +253,17 @@ class Storage:
     out = aligned_empty(shape, dtype)
     out[...] = 0
     return out
+
+  def host_weights(self, array: np.ndarray, pool: str):
+    """A copy of `array` on the host tier: in the run's pinned host memory (a jax array the
+    device copies by DMA) when it has one, else an aligned numpy buffer."""
+    if self.host_memory is None:
+      out = self.host_array(array.shape, array.dtype, pool)
+      out[...] = array
+      return out
+    self.reserve('host', array.nbytes, pool)
+    sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.host_memory)
+    return jax.device_put(array, sharding).block_until_ready()
 
   def disk_array(self, shape, dtype, pool: str | None = None) -> DiskArray:
     dtype = np.dtype(dtype)

@@ -27,6 +27,8 @@ SMALL = ('--model=opt-125m', '--prompt_len=128', '--gen_len=8', '--gpu_batch_siz
 CASES: dict[str, tuple[str, ...]] = {
     'all_device': SMALL,
     'weights_host': SMALL + ('--w_gpu_percent=0', '--w_cpu_percent=100'),
+    'weights_host_pinned': SMALL + ('--w_gpu_percent=0', '--w_cpu_percent=100',
+                                    '--host_memory=pinned'),
     'weights_disk': SMALL + ('--w_gpu_percent=0', '--w_cpu_percent=0'),
     'weights_split': SMALL + ('--w_gpu_percent=30', '--w_cpu_percent=40'),
     'cache_host': SMALL + ('--cache_gpu_percent=0', '--cache_cpu_percent=100'),
@@ -53,7 +55,7 @@ CASES: dict[str, tuple[str, ...]] = {
                            '--cache_cpu_percent=25'),
 }
 # Cases CI runs (small and quick).
-CI_CASES = ('all_device', 'weights_disk', 'cpu_attention')
+CI_CASES = ('all_device', 'weights_disk', 'cpu_attention', 'weights_host_pinned')
 # The overhead case: a model so small that the plan's buffers are negligible next to the
 # runtime's own memory.
 OVERHEAD_CASE = ('--model=opt-125m', '--prompt_len=8', '--gen_len=2', '--gpu_batch_size=1')
