@@ -67,21 +67,27 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   """
   b, s = q.shape[:2]
   chunk = chunk or prefill_chunk(s)
-  kh, vh = heads(k, cfg.kv_heads, cfg), heads(v, cfg.kv_heads, cfg)  # [b, t, kv, d]
+  # Head-major once per layer, not per chunk: each chunk's products then read contiguous
+  # [positions, head_dim] blocks of one head (30% less attention time at s = 512 on XLA:CPU).
+  qg = groups(q, cfg).transpose(0, 2, 3, 1, 4)  # [b, kv, g, s, d]
+  kh = heads(k, cfg.kv_heads, cfg).transpose(0, 2, 1, 3)  # [b, kv, t, d]
+  vh = heads(v, cfg.kv_heads, cfg).transpose(0, 2, 1, 3)
   outs = []
   for start in range(0, s, chunk):
     end = min(s, start + chunk)
     causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [q, t]
     allowed = (causal[None] & mask[:, None, :end])[:, None, None]  # [b, 1, 1, q, t]
-    scores = jnp.einsum('bqkgd,btkd->bkgqt', groups(q[:, start:end], cfg), kh[:, :end])
+    scores = jnp.einsum('bkgqd,bktd->bkgqt', qg[:, :, :, start:end], kh[:, :, :end])
     probs = masked_softmax(scores, allowed, axis=-1).astype(q.dtype)
-    outs.append(jnp.einsum('bkgqt,btkd->bqkgd', probs, vh[:, :end]).reshape(b, end - start, -1))
-  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    outs.append(jnp.einsum('bkgqt,bktd->bkgqd', probs, vh[:, :, :end]))
+  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)  # [b, kv, g, s, d]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, s, -1)
 
 
 def prefill_chunk(s: int) -> int:
-  """Query positions per chunk of a prompt of s: 64 (the fastest on XLA:CPU at s = 512, 1.8x
-  the unchunked square), more for long prompts to keep the program at <= 16 chunks."""
+  """Query positions per chunk of a prompt of s: 64 (on XLA:CPU the fastest or within 10% of
+  it for 8-32 prompts of 128 and 512 tokens), more for long prompts to keep the program at
+  <= 16 chunks."""
   return max(64, -(-s // 16))
 
 
