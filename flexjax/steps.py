@@ -139,7 +139,8 @@ class Steps:
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
     self.decode_back = jax.jit(functools.partial(decode_back, **attend_kw,
                                                  compute_dtype=self.compute))
-    self.offloaded_attend = jax.jit(functools.partial(attention.decode_attend, **attend_kw))
+    self.offloaded_attend = jax.jit(functools.partial(attention.decode_attend, **attend_kw,
+                                                      standalone=True))
     self.offloaded_select = jax.jit(functools.partial(attention.decode_select, **attend_kw),
                                     static_argnames=('keep',))
     # Whole-prompt scoring (Engine.score), weight loading and placing.

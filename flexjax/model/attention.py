@@ -91,17 +91,36 @@ def prefill_chunk(s: int) -> int:
   return max(64, -(-s // 16))
 
 
-def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: ModelConfig):
+def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: ModelConfig,
+                  standalone: bool = False):
   """Scores of one new query per sequence over its cache and itself: [b, t + 1, num_heads], the
-  new token last. q [b, q_dim]; k_new [b, kv_dim]; k_cache [b, t, kv_dim], all in q's dtype."""
+  new token last. q [b, q_dim]; k_new [b, kv_dim]; k_cache [b, t, kv_dim], all in q's dtype.
+  standalone: the attention is a program of its own (CPU attention), not part of a layer step:
+  see _halving_form."""
   qg = groups(q, cfg)  # [b, kv, g, d]
   kc = heads(k_cache, cfg.kv_heads, cfg)  # [b, t, kv, d]
-  # With one query per sequence these are matrix-vector products: XLA:CPU runs them fastest as
-  # products summed by halving the head axis (10x a batched matmul or a reduce over that axis).
-  past = sum_last(qg[:, None] * kc[:, :, :, None])  # [b, t, kv, g]
-  new = sum_last(qg * heads(k_new, cfg.kv_heads, cfg)[:, :, None])[:, None]
+  kn = heads(k_new, cfg.kv_heads, cfg)  # [b, kv, d]
+  if _halving_form(cfg, standalone):
+    # With one query per sequence these are matrix-vector products: XLA:CPU runs them fastest
+    # as products summed by halving the head axis (10x a batched matmul or a reduce over it).
+    past = sum_last(qg[:, None] * kc[:, :, :, None])  # [b, t, kv, g]
+    new = sum_last(qg * kn[:, :, None])[:, None]
+  else:
+    past = jnp.einsum('bkgd,btkd->btkg', qg, kc)
+    new = jnp.einsum('bkgd,bkd->bkg', qg, kn)[:, None]
   scores = jnp.concatenate([past, new], axis=1)  # [b, t + 1, kv, g]
   return scores.reshape(*scores.shape[:2], cfg.num_heads)
+
+
+def _halving_form(cfg: ModelConfig, standalone: bool) -> bool:
+  """Whether decode attention sums products by halving (else batched products, einsum).
+
+  Measured on XLA:CPU (tools/layer_bench.py, SmolLM2: 3 KV heads of 3 queries each): with one
+  query per KV head the halving form is the fastest everywhere. With a group of queries per KV
+  head it is too on its own (32 rows, 159 positions: 0.7 against 1.6 ms), but compiled into a
+  layer step with the products around it the step ran 1.6-3x slower than with batched products
+  (9.3 against 4.4 ms; 28.8 against 17.5 ms at 544 positions)."""
+  return cfg.num_heads == cfg.kv_heads or standalone
 
 
 def sum_last(x: jax.Array) -> jax.Array:
@@ -125,21 +144,27 @@ def halving_sum(x: jax.Array, axis: int) -> jax.Array:
   return jnp.squeeze(x, axis)
 
 
-def weighted_values(probs: jax.Array, v_rows: jax.Array, v_new: jax.Array, cfg: ModelConfig):
+def weighted_values(probs: jax.Array, v_rows: jax.Array, v_new: jax.Array, cfg: ModelConfig,
+                    standalone: bool = False):
   """probs [b, t + 1, num_heads] over v_rows [b, t, kv_dim] and the new v [b, kv_dim]
-  -> [b, q_dim]."""
+  -> [b, q_dim]. standalone: as decode_scores'."""
   b, g = probs.shape[0], cfg.num_heads // cfg.kv_heads
   vc = heads(v_rows, cfg.kv_heads, cfg)  # [b, t, kv, d]
   vn = heads(v_new, cfg.kv_heads, cfg)  # [b, kv, d]
-  # XLA:CPU's speed here hangs on the form of the sum (measured, 544 positions): with one query
-  # head per KV head a 4-d product is ~15x faster than with a broadcast group axis, and a single
-  # sequence is summed ~20x faster by halving the positions (which is ~6x slower for 8 rows).
-  total = functools.partial(halving_sum, axis=1) if b == 1 else functools.partial(jnp.sum, axis=1)
   if g == 1:
+    # XLA:CPU's speed here hangs on the form of the sum (measured, 544 positions): a 4-d
+    # product summed over positions, and a single sequence summed ~20x faster by halving the
+    # positions (which is ~6x slower for 8 rows).
+    total = (functools.partial(halving_sum, axis=1) if b == 1
+             else functools.partial(jnp.sum, axis=1))
     past = total(probs[:, :-1, :, None] * vc)  # [b, kv, d]
     return (past + probs[:, -1, :, None] * vn).reshape(b, cfg.q_dim)
-  pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)[..., None]  # [b, t + 1, kv, g, 1]
-  out = total(pg[:, :-1] * vc[:, :, :, None]) + pg[:, -1] * vn[:, :, None]
+  if _halving_form(cfg, standalone):  # the group axis broadcast, positions summed
+    pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)[..., None]  # [b, t + 1, kv, g, 1]
+    out = jnp.sum(pg[:, :-1] * vc[:, :, :, None], axis=1) + pg[:, -1] * vn[:, :, None]
+    return out.reshape(b, cfg.q_dim)
+  pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)  # [b, t + 1, kv, g]
+  out = jnp.einsum('btkg,btkd->bkgd', pg[:, :-1], vc) + pg[:, -1, ..., None] * vn[:, :, None]
   return out.reshape(b, cfg.q_dim)
 
 
@@ -148,25 +173,28 @@ def _with_new(cache_mask: jax.Array) -> jax.Array:
   return jnp.concatenate([cache_mask, jnp.ones_like(cache_mask[:, :1])], axis=1)
 
 
-def attend_decode(q, k_new, v_new, k_cache, v_cache, cache_mask, *, cfg: ModelConfig):
+def attend_decode(q, k_new, v_new, k_cache, v_cache, cache_mask, *, cfg: ModelConfig,
+                  standalone: bool = False):
   """Attention of one new token over the cached positions plus itself. The cache is never
   concatenated with the new entry (no copy of the cache): the new key's scores are appended to
   the cached ones and its value added to the weighted sum. q [b, q_dim]; k_new, v_new
-  [b, kv_dim]; caches [b, t, kv_dim]; cache_mask [b, t] bool. Returns [b, q_dim] in q's dtype."""
+  [b, kv_dim]; caches [b, t, kv_dim]; cache_mask [b, t] bool. Returns [b, q_dim] in q's dtype.
+  standalone: the attention is a program of its own (CPU attention), see _halving_form."""
   dtype = q.dtype
-  scores = decode_scores(q, k_new, k_cache.astype(dtype), cfg)
+  scores = decode_scores(q, k_new, k_cache.astype(dtype), cfg, standalone)
   probs = masked_softmax(scores, _with_new(cache_mask)[:, :, None], axis=1).astype(dtype)
-  return weighted_values(probs, v_cache.astype(dtype), v_new, cfg)
+  return weighted_values(probs, v_cache.astype(dtype), v_new, cfg, standalone)
 
 
 def decode_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array,
                   v_cache: jax.Array, cache_mask: jax.Array, *, cfg: ModelConfig,
-                  cache_quant: QuantConfig | None = None) -> jax.Array:
+                  cache_quant: QuantConfig | None = None, standalone: bool = False) -> jax.Array:
   """Middle part of a decode step: dense attention over stored cache rows (byte rows when
-  cache_quant is given)."""
+  cache_quant is given); standalone as attend_decode's."""
   kc = load_cache(k_cache, q.dtype, cfg, cache_quant)
   vc = load_cache(v_cache, q.dtype, cfg, cache_quant)
-  return attend_decode(q, k.astype(q.dtype), v.astype(q.dtype), kc, vc, cache_mask, cfg=cfg)
+  return attend_decode(q, k.astype(q.dtype), v.astype(q.dtype), kc, vc, cache_mask, cfg=cfg,
+                       standalone=standalone)
 
 
 def decode_select(q: jax.Array, k: jax.Array, k_cache: jax.Array, cache_mask: jax.Array, *,
