@@ -115,7 +115,9 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   }
   cache_in = 0.0 if cpu_att else bls * avg * kv_read_tok / hw.ctog_bw
   attention_device = bls * 4 * avg * q_dim / bmm_g
-  attention_cpu = bls * 4 * avg * q_dim / hw.cpu_flops
+  # On a CPU backend the device is the CPU: its attention and CPU attention run on the same
+  # cores at one rate (two measurements of it differ only by noise).
+  attention_cpu = bls * 4 * avg * q_dim / (bmm_g if hw.copies_share_compute else hw.cpu_flops)
   offloaded_attention = attention_cpu if cpu_att else attention_device
   decode = {
       'ctog': term(wc=w_put, wd=w_put, cc=cache_in, cd=cache_in,

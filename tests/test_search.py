@@ -194,6 +194,24 @@ def test_weights_on_a_cpu_device_cost_no_copy():
   assert gpu.decode['ctog'].value(x) > 0
 
 
+def test_cpu_attention_on_a_cpu_device_runs_at_the_device_attention_rate():
+  """On a CPU backend 'CPU attention' runs on the cores the device attention runs on: its cost
+  follows the device's measured attention rate, not the profile's separate CPU rate (two
+  measurements of one rate); on a GPU the CPU rate is what it costs."""
+  policy = Policy(gpu_batch_size=4, w_gpu_percent=100, cache_gpu_percent=0,
+                  cache_cpu_percent=100, cpu_attention=True)
+  x = cost_model.fractions(policy, TINY)
+  decode = lambda **hw: cost_model.build(TINY, policy, toy_hardware(**hw), FP32, prompt_len=16,
+                                         gen_len=8).decode['compute'].value(x)
+  cpu_slow, cpu_fast = (decode(cpu_flops=f, copies_share_compute=True) for f in (1e8, 1e12))
+  assert cpu_slow == pytest.approx(cpu_fast)
+  slower_device = decode(cpu_flops=1e12, copies_share_compute=True,
+                         bmm_flops={1: 1e9, 4096: 1e10})
+  assert slower_device > 2 * cpu_fast
+  gpu_slow, gpu_fast = (decode(cpu_flops=f) for f in (1e8, 1e12))
+  assert gpu_slow > 10 * gpu_fast
+
+
 def test_step_overhead_is_charged_per_gpu_batch_and_stage():
   """The engine's measured time per stage step is paid once per GPU batch on every decoder layer
   and on the embedding and head stages, for the prompt and for each generated token."""
