@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 
@@ -244,6 +245,17 @@ class Mover:
       return pieces[0][1]
     values = [self.steps.dequantize(v) if isinstance(v, quant_lib.Packed) else v
               for _, v in pieces]
+    if self.device_is_host:
+      # One RAM: the parts' rows copied into an aligned host array, which becomes the device
+      # array without a copy (XLA:CPU's concatenate ran 3x slower than this copy).
+      rows = sum(v.shape[0] for v in values)
+      shape, dtype = (rows, *values[0].shape[1:]), values[0].dtype
+      whole = diskio.aligned_buffer(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+      start = 0
+      for v in values:
+        np.copyto(whole[start:start + v.shape[0]], np.asarray(v))
+        start += v.shape[0]
+      return jax.device_put(whole, self.storage.device)
     return jnp.concatenate(values, axis=0).block_until_ready()
 
   def _load_tensor(self, slot, value, read: '_StageRead | None') -> jax.Array:
