@@ -224,7 +224,8 @@ class Mover:
           loaded += self._reserve_loaded(slot.loaded + slot.join)
           value = self._load_tensor(slot, value, read)
         parts.setdefault(slot.path, []).append((slot, value))
-      tree = {path: self._join(pieces) for path, pieces in parts.items()}
+      stage = self.stage_names[index]
+      tree = {path: self._join(stage, path, pieces) for path, pieces in parts.items()}
       done = True
     except BaseException:
       self.storage.free('device', loaded, 'weights.loaded')
@@ -239,12 +240,15 @@ class Mover:
     self.storage.reserve('device', nbytes, 'weights.loaded')
     return nbytes
 
-  def _join(self, pieces: list) -> object:
-    """A tensor from its parts (rows on different tiers), in the compute dtype."""
+  def _join(self, stage: str, path, pieces: list) -> object:
+    """A tensor from its parts (rows on different tiers; packed ones dequantized), or for
+    params.used_in_parts the tuple of its parts, which the step takes as they are."""
     if len(pieces) == 1:
       return pieces[0][1]
     values = [self.steps.dequantize(v) if isinstance(v, quant_lib.Packed) else v
               for _, v in pieces]
+    if params_lib.used_in_parts(stage, path):
+      return tuple(values)
     if self.device_is_host:
       # One RAM: the parts' rows copied into an aligned host array, which becomes the device
       # array without a copy (XLA:CPU's concatenate ran 3x slower than this copy).

@@ -124,7 +124,8 @@ class TensorSlot:
   rows: tuple[int, int]
   full_shape: tuple[int, ...]  # of the whole tensor
   join: int = 0  # device bytes joining a split tensor's parts when it is loaded (first offloaded
-  #                part only): the whole tensor, plus a packed resident part dequantized
+  #                part only): the whole tensor (not for params.used_in_parts), plus
+  #                a packed resident part dequantized
 
   @property
   def resident(self) -> int:
@@ -161,14 +162,15 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
     shape, count = shapes[path], shapes[path][0]
     whole_loaded = math.prod(shape) * _loaded_itemsize(policy, sizes, shape)
     split_load = len(parts[path]) > 1 and any(t != 'device' for t, _, _ in parts[path])
+    # the joined tensor (none for one used in parts), plus a packed resident part dequantized
+    joined = 0 if params_lib.used_in_parts(stage, path) else whole_loaded
     first_offloaded = True
     for tier, lo, hi in parts[path]:
       join = 0
       if split_load and tier != 'device' and first_offloaded:
         first_offloaded = False
         device_rows = sum(h - l for t, l, h in parts[path] if t == 'device')
-        join = whole_loaded + (whole_loaded * device_rows // count
-                               if compressed(policy, shape) else 0)
+        join = joined + (whole_loaded * device_rows // count if compressed(policy, shape) else 0)
       out.append(TensorSlot(path, (hi - lo, *shape[1:]), tier, compressed(policy, shape),
                             stored[path] * (hi - lo) // count, whole_loaded * (hi - lo) // count,
                             (lo, hi), tuple(shape), join))
@@ -555,14 +557,18 @@ def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, compute_dtyp
   storage = np_dtype(storage_dtype)
   out = {}
   for kind, stage in (('embed', 'embed'), ('layer', params_lib.layer_name(0)), ('head', 'head')):
-    flat = {}
+    flat, row_parts = {}, {}
     for slot in stage_layout(cfg, policy, sizes, stage):
       shape = slot.full_shape  # a tensor split across tiers is joined when loaded
       if slot.packed and slot.tier == 'device' and slot.whole:
         data = jax.ShapeDtypeStruct((*shape[:-1], policy.quant.row_bytes(shape[-1])), np.uint8)
         flat[slot.path] = Packed(data, shape[-1], policy.quant)
+      elif params_lib.used_in_parts(stage, slot.path) and not slot.whole:
+        row_parts.setdefault(slot.path, []).append(
+            jax.ShapeDtypeStruct(slot.shape, dtype if slot.packed else storage))
       else:
         flat[slot.path] = jax.ShapeDtypeStruct(shape, dtype if slot.packed else storage)
+    flat.update({path: tuple(specs) for path, specs in row_parts.items()})
     out[kind] = params_lib.unflatten(flat)
   return out
 

@@ -72,3 +72,14 @@ def test_products_of_many_rows_cast_once_and_match(lead):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
   temp = fn.lower(x, w).compile().memory_analysis().temp_size_in_bytes
   assert temp >= rows * cols * 4, temp
+
+
+def test_row_parts_give_the_whole_tables_rows():
+  """A token table kept as row parts (params.used_in_parts: split across tiers, not joined):
+  every id is taken from the part holding it, exactly the whole table's rows."""
+  rng = np.random.default_rng(1)
+  table = jnp.asarray(rng.standard_normal((50, 16)), jnp.float16)
+  parts = (table[:7], table[7:31], table[31:])
+  ids = jnp.asarray([[0, 6, 7, 30, 31, 49], [49, 12, 3, 31, 7, 0]], jnp.int32)
+  got = jax.jit(linear.take_rows)(parts, ids)
+  np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))

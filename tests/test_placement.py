@@ -99,3 +99,21 @@ def test_flexgen_placement_puts_the_same_bytes_on_each_tier_as_flexgen(model, gp
       assert slot.whole
       got[slot.tier] += slot.stored
     assert got == _flexgen_bytes(cfg, policy, stage), stage
+
+
+def test_embedding_split_across_tiers_is_used_in_parts_not_joined():
+  """The token table split over device, host and disk reaches the embedding step as its row
+  parts: the plan counts no join for it there (the head, which multiplies the whole table, and
+  a layer's straddling matrix are still joined and counted), and the step specs hold one
+  struct per part."""
+  cfg = config_lib.preset('opt-125m')
+  policy = Policy(w_gpu_percent=30, w_cpu_percent=40)
+  slots = {stage: [s for s in plan_lib.stage_layout(cfg, policy, SIZES, stage)
+                   if s.path == ('tokens',)] for stage in ('embed', 'head')}
+  assert [s.tier for s in slots['embed']] == ['device', 'host', 'disk']
+  assert all(s.join == 0 for s in slots['embed'])
+  assert sum(s.join for s in slots['head']) > 0
+  assert any(s.join > 0 for s in plan_lib.stage_layout(cfg, policy, SIZES, 'layer_000'))
+  specs = plan_lib.param_specs(cfg, policy, SIZES, 'float32', 'float16')
+  assert [p.shape for p in specs['embed']['tokens']] == [s.shape for s in slots['embed']]
+  assert specs['head']['tokens'].shape == cfg.tokens_shape()

@@ -73,6 +73,21 @@ def _row_blocks(flat: jax.Array, w: jax.Array) -> jax.Array:
   return out if whole == m else jnp.concatenate([out, flat[whole:] @ w], axis=0)
 
 
+def take_rows(table, ids: jax.Array) -> jax.Array:
+  """Rows `ids` of a table [n, d], or of a tuple of its row parts in order
+  (params.used_in_parts): each id is taken from the part that holds it."""
+  if not isinstance(table, tuple):
+    return jnp.take(table, ids, axis=0)
+  out, first = None, 0
+  for part in table:
+    local = ids - first
+    rows = jnp.take(part, jnp.clip(local, 0, part.shape[0] - 1), axis=0)
+    inside = ((local >= 0) & (local < part.shape[0]))[..., None]
+    out = rows if out is None else jnp.where(inside, rows, out)
+    first += part.shape[0]
+  return out
+
+
 def layer(p: dict, x: jax.Array) -> jax.Array:
   """A dense layer on x, in x's dtype: {'kernel': [in, out]} or {'weight': [out, in]}, and
   optionally 'bias': [out]."""

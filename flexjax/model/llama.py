@@ -77,7 +77,7 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Model
   """Token embedding. tokens: [b, s] -> [b, s, hidden] (positions act in the layers)."""
   del positions, cfg
   p = attention.cast_params(params, compute_dtype)
-  return jnp.take(p['tokens'], tokens, axis=0).astype(compute_dtype)
+  return linear.take_rows(p['tokens'], tokens).astype(compute_dtype)
 
 
 def head(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype) -> jax.Array:

@@ -40,7 +40,7 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Model
           compute_dtype) -> jax.Array:
   """Token + learned position embedding. tokens, positions: [b, s] -> [b, s, hidden]."""
   p = attention.cast_params(params, compute_dtype)
-  x = jnp.take(p['tokens'], tokens, axis=0).astype(compute_dtype)  # [b, s, embed_dim]
+  x = linear.take_rows(p['tokens'], tokens).astype(compute_dtype)  # [b, s, embed_dim]
   if cfg.has_projection:
     x = linear.layer(p['project_in'], x)
   return x + jnp.take(p['positions'], positions + 2, axis=0).astype(compute_dtype)

@@ -59,6 +59,13 @@ def stage_names(cfg: ModelConfig) -> list[str]:
   return ['tokens', 'embed'] + [layer_name(i) for i in range(cfg.num_layers)] + ['head']
 
 
+def used_in_parts(stage: str, path: tuple[str, ...]) -> bool:
+  """Whether a stage's function takes this tensor, when it is split across tiers, as the tuple
+  of its row parts instead of joined: the embedding stage's token table (each id is gathered
+  from the part holding it, exactly as from the whole). Loading it then joins nothing."""
+  return stage == 'embed' and path == ('tokens',)
+
+
 def layer_name(index: int) -> str:
   return f'layer_{index:03d}'
 
