@@ -76,33 +76,36 @@ class _StageRead:
 @dataclasses.dataclass(frozen=True)
 class Loaded:
   """A stage's weights on the device, and what they hold until freed: device bytes, and on a
-  CPU backend the staging buffer the device arrays are (None elsewhere)."""
+  CPU backend the host buffers the device arrays are (its staging buffer and the buffer its
+  split tensors were joined into; empty elsewhere), each with the pool it goes back to."""
 
   params: dict
   nbytes: int
-  buffer: np.ndarray | None = None
+  buffers: tuple = ()  # ((BufferPool, buffer), ...)
 
 
-class StagingBuffers:
-  """Aligned host buffers for a stage's disk reads, reused from stage to stage. A fresh buffer
-  per read is faulted in and zeroed by the kernel on first touch, which costs as much CPU as
-  the read (on a 2-core VM: 3 GB/s into fresh buffers, 5 GB/s into reused ones). A buffer is
-  reused once every array using it is ready: nothing (a GPU copies it while loading) or the
-  outputs of the steps that used the stage's weights (a CPU backend computes on it)."""
+class BufferPool:
+  """Aligned host buffers reused from stage to stage, by size: a stage's disk reads (staging)
+  or, on a CPU backend, its tensors split across tiers joined into one array each. A fresh
+  buffer is faulted in and zeroed by the kernel on first touch, which costs as much CPU as the
+  read or copy that fills it (on a 2-core VM: 3 GB/s into fresh buffers, 5 GB/s into reused
+  ones). A buffer is reused once every array using it is ready: nothing (a GPU copies it while
+  loading) or the outputs of the steps that used the stage's weights (a CPU backend computes on
+  it). Buffers alive are bounded by the schedule (two stages loaded, those awaiting outputs)."""
 
-  def __init__(self, nbytes: int):
-    self.nbytes = nbytes
-    self._free: list[np.ndarray] = []
+  def __init__(self):
+    self._free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
     self._waiting: collections.deque = collections.deque()  # (buffer, arrays to be ready)
     self._lock = threading.Lock()
 
-  def take(self) -> np.ndarray:
+  def take(self, nbytes: int) -> np.ndarray:
     with self._lock:
       while self._waiting and all(a.is_ready() for a in self._waiting[0][1]):
-        self._free.append(self._waiting.popleft()[0])
-      if self._free:
-        return self._free.pop()
-    return diskio.aligned_buffer(self.nbytes)
+        buffer = self._waiting.popleft()[0]
+        self._free[buffer.nbytes].append(buffer)
+      if self._free[nbytes]:
+        return self._free[nbytes].pop()
+    return diskio.aligned_buffer(nbytes)
 
   def give_back(self, buffer: np.ndarray, after=()) -> None:
     with self._lock:
@@ -143,9 +146,11 @@ class Mover:
     self.device_is_host = device_is_host
     self.reader = reader
     self.reads_ahead = read_ahead  # the plan holds a second staging buffer for it
-    self.staging = StagingBuffers(max(
+    self.staging_bytes = max(
         (sum(value_bytes(v).padded for slot, v in stage if slot.tier == 'disk')
-         for stage in stages), default=0))
+         for stage in stages), default=0)
+    self.staging = BufferPool()
+    self.joins = BufferPool()  # on a CPU backend: the arrays split tensors are joined into
     self._reads: dict[int, _StageRead | None] = {}  # stage -> its disk reads under way
     self._reads_lock = threading.Lock()
     self.workers: dict = {}
@@ -189,7 +194,7 @@ class Mover:
       return None
     nbytes = sum(t.padded for _, t in tensors)
     self.storage.reserve('host', nbytes, 'weights.staging')
-    buffer = self.staging.take()
+    buffer = self.staging.take(self.staging_bytes)
     parts, offset = {}, 0
     for slot, t in tensors:
       part = buffer[offset:offset + t.padded]
@@ -216,6 +221,7 @@ class Mover:
     parts: dict = {}  # path -> [(slot, device value)] in row order
     loaded = 0
     done = False
+    buffers = []
     try:
       if after is not None:
         jax.block_until_ready(after)
@@ -225,7 +231,7 @@ class Mover:
           value = self._load_tensor(slot, value, read)
         parts.setdefault(slot.path, []).append((slot, value))
       stage = self.stage_names[index]
-      tree = {path: self._join(stage, path, pieces) for path, pieces in parts.items()}
+      tree = self._join_all(stage, parts, buffers)
       done = True
     except BaseException:
       self.storage.free('device', loaded, 'weights.loaded')
@@ -233,20 +239,37 @@ class Mover:
     finally:
       self._finish_read(read, keep=done and self.device_is_host)
     self.stats['weight_loads'][self.stage_names[index]] += 1
-    return Loaded(params_lib.unflatten(tree), loaded,
-                  read.buffer if read is not None and self.device_is_host else None)
+    if read is not None and self.device_is_host:
+      buffers.append((self.staging, read.buffer))
+    return Loaded(params_lib.unflatten(tree), loaded, tuple(buffers))
 
   def _reserve_loaded(self, nbytes: int) -> int:
     self.storage.reserve('device', nbytes, 'weights.loaded')
     return nbytes
 
-  def _join(self, stage: str, path, pieces: list) -> object:
-    """A tensor from its parts (rows on different tiers; packed ones dequantized), or for
-    params.used_in_parts the tuple of its parts, which the step takes as they are."""
-    if len(pieces) == 1:
-      return pieces[0][1]
-    values = [self.steps.dequantize(v) if isinstance(v, quant_lib.Packed) else v
-              for _, v in pieces]
+  def _join_all(self, stage: str, parts: dict, buffers: list) -> dict:
+    """path -> the stage's tensors, each from its parts (see _join). On a CPU backend the joined
+    ones are laid out in one aligned host buffer from the join pool, appended to `buffers`."""
+    values = {path: [v for _, v in pieces] for path, pieces in parts.items()}
+    values = {path: [self.steps.dequantize(v) if isinstance(v, quant_lib.Packed) else v
+                     for v in vs] if len(vs) > 1 else vs for path, vs in values.items()}
+    joined = [path for path, vs in values.items()
+              if len(vs) > 1 and not params_lib.used_in_parts(stage, path)]
+    into = {}
+    if self.device_is_host and joined:
+      sizes = [diskio.align_up(sum(v.nbytes for v in values[path])) for path in joined]
+      buffer = self.joins.take(sum(sizes))
+      buffers.append((self.joins, buffer))
+      offsets = np.cumsum([0] + sizes)
+      into = {path: buffer[offsets[i]:offsets[i + 1]] for i, path in enumerate(joined)}
+    return {path: self._join(stage, path, vs, into.get(path)) for path, vs in values.items()}
+
+  def _join(self, stage: str, path, values: list, into: np.ndarray | None = None) -> object:
+    """A tensor from its parts (rows on different tiers, packed ones already dequantized), or
+    for params.used_in_parts the tuple of its parts, which the step takes as they are. On a CPU
+    backend `into` is the aligned host memory the joined tensor is copied into."""
+    if len(values) == 1:
+      return values[0]
     if params_lib.used_in_parts(stage, path):
       return tuple(values)
     if self.device_is_host:
@@ -254,7 +277,7 @@ class Mover:
       # array without a copy (XLA:CPU's concatenate ran 3x slower than this copy).
       rows = sum(v.shape[0] for v in values)
       shape, dtype = (rows, *values[0].shape[1:]), values[0].dtype
-      whole = diskio.aligned_buffer(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+      whole = into[:math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
       start = 0
       for v in values:
         np.copyto(whole[start:start + v.shape[0]], np.asarray(v))
@@ -290,11 +313,11 @@ class Mover:
     return out
 
   def free_weights(self, loaded: Loaded, after=()) -> None:
-    """Frees a stage's loaded weights; its staging buffer is reused once `after` (the outputs
-    of every step that used them) is ready."""
+    """Frees a stage's loaded weights; the host buffers its device arrays are (CPU backend)
+    are reused once `after` (the outputs of every step that used them) is ready."""
     self.storage.free('device', loaded.nbytes, 'weights.loaded')
-    if loaded.buffer is not None:
-      self.staging.give_back(loaded.buffer, after)
+    for pool, buffer in loaded.buffers:
+      pool.give_back(buffer, after)
 
   # ---- inputs -----------------------------------------------------------------------------------
   def load_inputs(self, step, batch) -> dict:

@@ -167,3 +167,28 @@ def test_policy_validation():
     Policy(num_gpu_batches=0)
   assert Policy(gpu_batch_size=4, cache_gpu_percent=25, cache_cpu_percent=50).rows('cache') == {
       'device': 1, 'host': 2, 'disk': 1}
+
+
+def test_buffer_pool_reuses_a_buffer_of_its_size_once_its_users_are_ready():
+  """A weight buffer a CPU backend computes on goes back to its pool with the outputs of the
+  steps using it: it is handed out again only once those exist, and only for its own size."""
+  import jax
+  import jax.numpy as jnp
+
+  from flexjax.mover import BufferPool
+
+  # a step still computing: dispatched asynchronously, ready a few tenths of a second later
+  busy = jax.jit(lambda x: jax.lax.fori_loop(0, 4, lambda _, y: jnp.tanh(y @ x), x))
+  x = jnp.full((2048, 2048), 1e-3, jnp.float32)
+  busy(x).block_until_ready()  # compiled
+  pool = BufferPool()
+  first = pool.take(8192)
+  assert first.ctypes.data % 4096 == 0 and first.nbytes == 8192
+  user = busy(x)
+  pool.give_back(first, after=[user])
+  while_running = pool.take(8192)
+  assert not user.is_ready()
+  assert while_running.ctypes.data != first.ctypes.data
+  user.block_until_ready()
+  assert pool.take(4096).ctypes.data != first.ctypes.data
+  assert pool.take(8192).ctypes.data == first.ctypes.data
