@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexjax import diskio
+from flexjax import plan as plan_lib
 from flexjax import quant as quant_lib
 from flexjax.model import params as params_lib
 from flexjax.placement import Placed
@@ -91,10 +92,13 @@ class BufferPool:
   read or copy that fills it (on a 2-core VM: 3 GB/s into fresh buffers, 5 GB/s into reused
   ones). A buffer is reused once every array using it is ready: nothing (a GPU copies it while
   loading) or the outputs of the steps that used the stage's weights (a CPU backend computes on
-  it). Buffers alive are bounded by the schedule (two stages loaded, those awaiting outputs)."""
+  it). Buffers in use are bounded by the schedule; with a `limit` the free ones kept beside them
+  are too (the oldest go back to the kernel first)."""
 
-  def __init__(self):
-    self._free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+  def __init__(self, limit: int | None = None):
+    self.limit = limit  # bytes of buffers kept (in use or free); free ones are dropped beyond it
+    self._held = 0
+    self._free: collections.OrderedDict = collections.OrderedDict()  # id -> free buffer
     self._waiting: collections.deque = collections.deque()  # (buffer, arrays to be ready)
     self._lock = threading.Lock()
 
@@ -102,9 +106,13 @@ class BufferPool:
     with self._lock:
       while self._waiting and all(a.is_ready() for a in self._waiting[0][1]):
         buffer = self._waiting.popleft()[0]
-        self._free[buffer.nbytes].append(buffer)
-      if self._free[nbytes]:
-        return self._free[nbytes].pop()
+        self._free[id(buffer)] = buffer
+      for key, buffer in self._free.items():
+        if buffer.nbytes == nbytes:
+          return self._free.pop(key)
+      while self._free and self.limit is not None and self._held + nbytes > self.limit:
+        self._held -= self._free.popitem(last=False)[1].nbytes  # oldest first, to the kernel
+      self._held += nbytes
     return diskio.aligned_buffer(nbytes)
 
   def give_back(self, buffer: np.ndarray, after=()) -> None:
@@ -150,7 +158,11 @@ class Mover:
         (sum(value_bytes(v).padded for slot, v in stage if slot.tier == 'disk')
          for stage in stages), default=0)
     self.staging = BufferPool()
-    self.joins = BufferPool()  # on a CPU backend: the arrays split tensors are joined into
+    # On a CPU backend the arrays split tensors are joined into, kept within the plan's joins
+    # of the stages loaded at once.
+    self.joins = BufferPool(plan_lib.stages_loaded(policy.overlap) * max(
+        (sum(slot.join + diskio.BLOCK for slot, _ in stage if slot.join) for stage in stages),
+        default=0))
     self._reads: dict[int, _StageRead | None] = {}  # stage -> its disk reads under way
     self._reads_lock = threading.Lock()
     self.workers: dict = {}

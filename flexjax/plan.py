@@ -319,6 +319,12 @@ class Shares:
   act_partial: Any  # 1 when the hidden states are split between the device and elsewhere
 
 
+def stages_loaded(overlap: bool) -> int:
+  """Stages whose non-resident weights are loaded at once: the one computing and, with
+  overlap, the next one loading."""
+  return 2 if overlap else 1
+
+
 def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, Any],
             overhead: Overhead) -> list[Buffer]:
   """Every buffer of a run. xla: step kind -> bytes of one call (steps.Steps.working_memory)."""
@@ -326,7 +332,7 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   b, g, L = policy.gpu_batch_size, policy.num_gpu_batches, cfg.num_layers
   s, t, h = shape.prompt_len, shape.total_len, cfg.hidden_size
   overlap = policy.overlap
-  stages_alive = 2 if overlap else 1  # the stage computing and the next one loading
+  stages_alive = stages_loaded(overlap)
   steps_alive = 2 if overlap else 1  # steps dispatched and not yet finished (executor bound)
   inputs_alive = steps_alive + (1 if overlap else 0)  # loaded inputs: those steps + one loading
   row = cache_row_bytes(cfg, policy, sizes)

@@ -192,3 +192,18 @@ def test_buffer_pool_reuses_a_buffer_of_its_size_once_its_users_are_ready():
   user.block_until_ready()
   assert pool.take(4096).ctypes.data != first.ctypes.data
   assert pool.take(8192).ctypes.data == first.ctypes.data
+
+
+def test_buffer_pool_keeps_free_buffers_only_within_its_limit():
+  """Free buffers of other sizes go back to the kernel, oldest first, before the pool's buffers
+  (in use or free) would exceed its limit: the plan's joins of the stages loaded at once."""
+  from flexjax.mover import BufferPool
+
+  pool = BufferPool(limit=3 * 4096)
+  big, small = pool.take(2 * 4096), pool.take(4096)
+  pool.give_back(small)
+  assert pool.take(4096) is small  # reused: its size, nothing waited for
+  pool.give_back(small)
+  pool.take(2 * 4096)  # with `big` in use, keeping the free small one would exceed the limit
+  assert pool.take(4096) is not small  # dropped (still referenced here, so not reallocated)
+  assert big.nbytes == 2 * 4096
