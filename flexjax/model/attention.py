@@ -57,6 +57,11 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   """Causal attention of whole prompts over themselves, `chunk` query positions at a time (each
   chunk attends only to the positions up to its last: about half the work of the full square).
 
+  The work goes one (sequence, KV head) item at a time, PREFILL_ITEMS items per call: an
+  item's scores stay in the core's caches through the softmax and the product with the values,
+  where scores of every sequence and head at once go through memory (on XLA:CPU 2-3x faster:
+  opt-1.3b, 8 prompts of 512, 267 -> 125 ms per layer).
+
   Args:
     q: [b, s, q_dim] (scaled); k, v: [b, s, kv_dim] in q's dtype.
     mask: [b, s] bool, True for real tokens (prompts are left-padded).
@@ -66,22 +71,31 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     position (no real token at or before it) gets some average of values: nothing reads it.
   """
   b, s = q.shape[:2]
+  kv, g, d = cfg.kv_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim
   chunk = chunk or prefill_chunk(s)
-  # Head-major once per layer, not per chunk: each chunk's products then read contiguous
-  # [positions, head_dim] blocks of one head (30% less attention time at s = 512 on XLA:CPU).
-  qg = groups(q, cfg).transpose(0, 2, 3, 1, 4)  # [b, kv, g, s, d]
-  kh = heads(k, cfg.kv_heads, cfg).transpose(0, 2, 1, 3)  # [b, kv, t, d]
-  vh = heads(v, cfg.kv_heads, cfg).transpose(0, 2, 1, 3)
-  outs = []
-  for start in range(0, s, chunk):
-    end = min(s, start + chunk)
-    causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [q, t]
-    allowed = (causal[None] & mask[:, None, :end])[:, None, None]  # [b, 1, 1, q, t]
-    scores = jnp.einsum('bkgqd,bktd->bkgqt', qg[:, :, :, start:end], kh[:, :, :end])
-    probs = masked_softmax(scores, allowed, axis=-1).astype(q.dtype)
-    outs.append(jnp.einsum('bkgqt,bktd->bkgqd', probs, vh[:, :, :end]))
-  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)  # [b, kv, g, s, d]
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, s, -1)
+  # Head-major once per layer: an item's products read contiguous [positions, head_dim] blocks.
+  qi = groups(q, cfg).transpose(0, 2, 3, 1, 4).reshape(b * kv, g, s, d)
+  ki = heads(k, kv, cfg).transpose(0, 2, 1, 3).reshape(b * kv, s, d)
+  vi = heads(v, kv, cfg).transpose(0, 2, 1, 3).reshape(b * kv, s, d)
+  mi = jnp.broadcast_to(mask[:, None], (b, kv, s)).reshape(b * kv, s)
+
+  def item(args):
+    q1, k1, v1, m1 = args  # [g, s, d], [s, d], [s, d], [s]
+    outs = []
+    for start in range(0, s, chunk):
+      end = min(s, start + chunk)
+      causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [q, t]
+      allowed = (causal & m1[None, :end])[None]  # [1, q, t]
+      scores = jnp.einsum('gqd,td->gqt', q1[:, start:end], k1[:end])
+      probs = masked_softmax(scores, allowed, axis=-1).astype(q.dtype)
+      outs.append(jnp.einsum('gqt,td->gqd', probs, v1[:end]))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [g, s, d]
+
+  out = jax.lax.map(item, (qi, ki, vi, mi), batch_size=min(PREFILL_ITEMS, b * kv))
+  return out.reshape(b, kv, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, -1)
+
+
+PREFILL_ITEMS = 4  # (sequence, KV head) items per call of prefill attention's loop
 
 
 def prefill_chunk(s: int) -> int:
