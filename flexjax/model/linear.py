@@ -22,6 +22,10 @@ import jax.numpy as jnp
 
 TILE_ELEMENTS = 1 << 20  # weights per cast tile (4 MiB in float32): a core's cache, not memory
 CAST_ALL_ROWS = 1024  # rows from which a product casts the whole matrix, and its row blocks
+# Tiles per step of the tile loop: two let XLA:CPU overlap one tile's cast with the other's
+# product (5-20% faster 4-32-row products against float16 weights than one); many more merge
+# the casts into one of the whole matrix (3x slower).
+SCAN_UNROLL = 2
 
 
 def tile_rows(rows: int, cols: int) -> int:
@@ -56,7 +60,8 @@ def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     x_tile = jax.lax.dynamic_slice_in_dim(flat, i * r, r, axis=1)
     return total + x_tile @ _row_tile(w, i, r).astype(dtype), None
 
-  total, _ = jax.lax.scan(add_tile, jnp.zeros((flat.shape[0], cols), dtype), jnp.arange(tiles))
+  total, _ = jax.lax.scan(add_tile, jnp.zeros((flat.shape[0], cols), dtype), jnp.arange(tiles),
+                          unroll=SCAN_UNROLL)
   if main < rows:
     total = total + flat[:, main:] @ w[main:].astype(dtype)
   return total.reshape(*lead, cols)
