@@ -88,8 +88,8 @@ def test_row_parts_give_the_whole_tables_rows():
 def test_a_leftover_tile_does_not_copy_the_matrix():
   """A weight whose rows no tile size divides (OPT's 50272-row token table as the LM head)
   leaves one shorter tile; the whole tiles are sliced inside the loop, so the compiled step's
-  temporary memory holds about one float32 tile, not a copy of the matrix."""
-  rows, cols = 16411, 512
+  temporary memory holds the float32 tiles of one loop step, not a copy of the matrix."""
+  rows, cols = 65539, 512
   r = linear.tile_rows(rows, cols)
   assert rows % r != 0  # a leftover tile
   w = jax.ShapeDtypeStruct((rows, cols), jnp.float16)
@@ -98,4 +98,5 @@ def test_a_leftover_tile_does_not_copy_the_matrix():
                 (linear.dense, jax.ShapeDtypeStruct((8, rows), jnp.float32))):
     compiled = jax.jit(lambda x, w, fn=fn: fn(x, w, jnp.float32)).lower(x, w).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp < weight_bytes / 2, (fn.__name__, temp, weight_bytes)
+    tiles_of_a_step = linear.SCAN_UNROLL * r * cols * 4
+    assert temp < min(weight_bytes / 2, 1.5 * tiles_of_a_step), (fn.__name__, temp, weight_bytes)
