@@ -188,3 +188,23 @@ def test_accelerate_and_failed_records():
   failed = suite.with_roofline({'system': 'flexjax', 'status': 'failed'}, RATES)
   assert failed['roofline_fraction'] is None and failed['rates'] == RATES
   assert suite.with_roofline(record, None) is record
+
+
+def test_rendered_rates_name_the_cpu_they_were_measured_on(tmp_path):
+  """Records carry the CPU's model and vector extensions (matmul rates depend on them); the
+  roofline table's rates line names them, and records without them still render."""
+  from tools import benchlib
+  machine = benchlib.machine_info()
+  assert set(machine['cpu_vector_flags']) <= set(benchlib.VECTOR_FLAGS)
+  with open('/proc/cpuinfo') as f:
+    flags = next(line for line in f if line.startswith('flags')).split(':', 1)[1].split()
+  assert machine['cpu_vector_flags'] == [f for f in benchlib.VECTOR_FLAGS if f in flags]
+  record = suite.with_roofline(
+      {'system': 'accelerate', 'status': 'ok', 'spec': {'model': TINY}, 'prompt_len': 8,
+       'gen_len': 3, 'num_prompts': 2, 'compute_dtype': 'float32', 'case': 'acc',
+       'weight_storage_dtype': 'float16', 'device': 'cpu', 'prefill_s': 1.0, 'decode_s': 2.0,
+       'peak_bytes': {'device': 0, 'host': 1000, 'disk': 4000}, 'run_id': 'r1',
+       'machine': {'cpu_model': 'Some CPU', 'cpu_vector_flags': ['avx2', 'avx512f']}}, RATES)
+  assert '(measured now, on Some CPU (avx2 avx512f)):' in suite.render_roofline([record])
+  older = {**record, 'machine': {'cpu_model': None}}
+  assert '(measured now):' in suite.render_roofline([older])

@@ -636,6 +636,14 @@ def render_frontier(records: Sequence[dict[str, Any]]) -> str:
   return '\n'.join(lines)
 
 
+def _cpu_text(machine: dict[str, Any]) -> str:
+  """', on <cpu model> (<vector flags>)' where the record says (older records do not)."""
+  if not machine.get('cpu_model'):
+    return ''
+  flags = machine.get('cpu_vector_flags')
+  return f', on {machine["cpu_model"]}' + (f' ({" ".join(flags)})' if flags else '')
+
+
 def render_roofline(records: Sequence[dict[str, Any]]) -> str:
   """Per successful row with a roofline: roofline / measured seconds of each phase, what bounds
   it (compute or a link), and the fraction of the roofline reached; then the rates used."""
@@ -643,12 +651,13 @@ def render_roofline(records: Sequence[dict[str, Any]]) -> str:
            'decode s: roofline / measured (bound) | total s: roofline / measured | '
            'roofline fraction prefill / decode / total |',
            '|---|---|---:|---:|---:|---:|---:|']
-  rates = {}
+  rates, machines = {}, {}
   for r in records:
     bound = r.get('roofline')
     if not bound:
       continue
     rates.setdefault(r.get('run_id'), r['rates'])
+    machines.setdefault(r.get('run_id'), r.get('machine') or {})
 
     def cell(phase):
       b = bound[phase]
@@ -659,7 +668,8 @@ def render_roofline(records: Sequence[dict[str, Any]]) -> str:
                            for p in ('prefill', 'decode', 'total'))
     lines.append(f'| {r["case"]} | {r["system"]} | {r["num_prompts"]} | {cell("prefill")} | '
                  f'{cell("decode")} | {cell("total")} | {fractions} |')
-  lines += [f'\nRates of run {run_id} (measured {used.get("measured_at", "?")}): '
+  lines += [f'\nRates of run {run_id} (measured {used.get("measured_at", "?")}'
+            + _cpu_text(machines[run_id]) + '): '
             + roofline_lib.format_rates(used).replace('\n', '; ') for run_id, used in rates.items()]
   return '\n'.join(lines)
 
