@@ -100,3 +100,19 @@ def test_a_leftover_tile_does_not_copy_the_matrix():
     temp = compiled.memory_analysis().temp_size_in_bytes
     tiles_of_a_step = linear.SCAN_UNROLL * r * cols * 4
     assert temp < min(weight_bytes / 2, 1.5 * tiles_of_a_step), (fn.__name__, temp, weight_bytes)
+
+
+@pytest.mark.parametrize('stored', ['float16', 'bfloat16'])
+def test_bfloat16_products_sum_in_float32_and_round_once(stored):
+  """Products in bfloat16 (weights cast tile by tile, or already bfloat16) sum in float32 and
+  round once: every output is within half a bfloat16 step of the float32 sum of the same values,
+  plus slack for the summation order (rounding the sum after each of 32 tiles drifted by up to
+  195 steps). Steps are taken at no less than 2^-6, where sums of terms near 1 cancel."""
+  rng = np.random.default_rng(0)
+  rows, cols = 4096, 8192  # 32 tiles of 128 rows
+  x = jnp.asarray(rng.standard_normal((8, rows)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((rows, cols)) / 64, stored)
+  want = np.asarray(x, np.float32) @ np.asarray(w.astype(jnp.bfloat16), np.float32)
+  got = np.asarray(jax.jit(lambda x, w: linear.dense(x, w, jnp.bfloat16))(x, w), np.float32)
+  step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 2.0 ** -6))) - 7)  # bfloat16 spacing
+  assert np.all(np.abs(got - want) <= 0.55 * step), np.max(np.abs(got - want) / step)
