@@ -161,8 +161,7 @@ class Mover:
     # On a CPU backend the arrays split tensors are joined into, kept within the plan's joins
     # of the stages loaded at once.
     self.joins = BufferPool(plan_lib.stages_loaded(policy.overlap) * max(
-        (sum(slot.join + diskio.BLOCK for slot, _ in stage if slot.join) for stage in stages),
-        default=0))
+        (plan_lib.stage_join_bytes(slot for slot, _ in stage) for stage in stages), default=0))
     self._reads: dict[int, _StageRead | None] = {}  # stage -> its disk reads under way
     self._reads_lock = threading.Lock()
     self.workers: dict = {}

@@ -229,6 +229,12 @@ class WeightTotals:
   largest_load: tuple | None  # (packed shape, dim) of the largest tensor dequantized on load
 
 
+def stage_join_bytes(slots) -> int:
+  """Bytes a stage's split tensors are joined into when it loads: each at an aligned offset of
+  one buffer (mover.Mover._join_all on a CPU backend)."""
+  return sum(align_up(s.join) for s in slots if s.join)
+
+
 def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightTotals:
   placed = dict.fromkeys(TIERS, 0)
   stored = dict.fromkeys(TIERS, 0)
@@ -251,7 +257,7 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
       if slot.tier == 'device':
         resident_max = max(resident_max, slot.stored)
     loaded_max = max(loaded_max, sum(s.loaded + s.join for s in layout if s.tier != 'device'))
-    join_max = max(join_max, sum(s.join for s in layout))
+    join_max = max(join_max, stage_join_bytes(layout))
     disk_max = max(disk_max, sum(align_up(s.stored) + (0 if s.whole else BLOCK)
                                  for s in layout if s.tier == 'disk'))
     stage_max = max(stage_max, sum(math.prod(s.shape) * sizes.storage for s in layout

@@ -60,12 +60,17 @@ def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.matmul(a, b, preferred_element_type=acc_dtype(a.dtype))
 
 
+def _einsum(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+  """One product of x and w, both in `dtype`, summed in acc_dtype(dtype), rounded to `dtype`."""
+  return jnp.einsum(spec, x, w, preferred_element_type=acc_dtype(dtype)).astype(dtype)
+
+
 def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   """x [..., i] @ w [i, o] in `dtype`, w cast a tile of its rows at a time (products summed
   over the tiles of the contracted axis, in acc_dtype(dtype))."""
   x = x.astype(dtype)
   if w.dtype == dtype:
-    return jnp.einsum('...i,io->...o', x, w, preferred_element_type=acc_dtype(dtype)).astype(dtype)
+    return _einsum('...i,io->...o', x, w, dtype)
   rows, cols = w.shape
   lead, flat, r, tiles, main = _tiling(x, w)
   if flat.shape[0] >= CAST_ALL_ROWS:
@@ -126,7 +131,7 @@ def dense_transposed(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   a tile of its rows (outputs) at a time."""
   x = x.astype(dtype)
   if w.dtype == dtype:
-    return jnp.einsum('...i,oi->...o', x, w, preferred_element_type=acc_dtype(dtype)).astype(dtype)
+    return _einsum('...i,oi->...o', x, w, dtype)
   outs, cols = w.shape
   lead, flat, r, tiles, main = _tiling(x, w)
   parts = jax.lax.map(lambda i: _mm(flat, _row_tile(w, i, r).astype(dtype).T).astype(dtype),
