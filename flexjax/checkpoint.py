@@ -26,7 +26,7 @@ from flexjax import stream as stream_lib
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
 
-FORMAT = 'flexjax-v2'
+FORMAT = 'flexjax-v3'
 META_FILE = 'flexjax.json'
 TOKENIZER_DIR = 'tokenizer'
 STREAM_DIR = 'stream'  # streaming layouts of the weights (flexjax.stream), one per variant

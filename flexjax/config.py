@@ -11,7 +11,7 @@ import numpy as np
 
 from flexjax.errors import FlexjaxError
 
-# Parameter shapes are nested dicts ending in tuples: {'q': {'kernel': (h, h), 'bias': (h,)}, ...}.
+# Parameter shapes are nested dicts ending in tuples: {'q': {'weight': (h, h), 'bias': (h,)}, ...}.
 ShapeTree = dict[str, Any]
 
 DTYPES = ('float32', 'float16', 'bfloat16')
@@ -161,15 +161,16 @@ class ModelConfig:
     return {'scale': (h,), 'bias': (h,)} if self.layer_norm_affine else {}
 
   def _dense_shapes(self, n_in: int, n_out: int, bias: bool = True) -> ShapeTree:
-    shapes = {'kernel': (n_in, n_out)}
+    shapes = {'weight': (n_out, n_in)}
     if bias and self.enable_bias:
       shapes['bias'] = (n_out,)
     return shapes
 
   def layer_shapes(self) -> ShapeTree:
-    """Parameter shapes of one decoder layer. OPT's are 'kernel's [in, out]; the llama family's
-    are 'weight's [out, in] as HF and GGUF store them, so that quantization along the last axis
-    groups inputs, as GGUF's Q4_1 does (its blocks can then be kept as they are)."""
+    """Parameter shapes of one decoder layer. Matrices are 'weight's [out, in] as HF and GGUF
+    store them: products of few rows run fastest that way on XLA:CPU (model.linear), and
+    quantization along the last axis groups inputs, as GGUF's Q4_1 does (its blocks can then be
+    kept as they are)."""
     h, f = self.hidden_size, self.ffn_dim
     if self.family == 'llama':
       return {'attn_norm': {'scale': (h,)}, 'q': {'weight': (self.q_dim, h)},
@@ -191,7 +192,7 @@ class ModelConfig:
       return {}
     shapes: ShapeTree = {'positions': (self.max_positions + 2, self.hidden_size)}
     if self.has_projection:
-      shapes['project_in'] = {'kernel': (self.embed_dim, self.hidden_size)}
+      shapes['project_in'] = {'weight': (self.hidden_size, self.embed_dim)}
     return shapes
 
   def head_shapes(self) -> ShapeTree:
@@ -205,7 +206,7 @@ class ModelConfig:
     if self.has_final_layer_norm and self.layer_norm_affine:
       shapes['final_ln'] = self._norm_shapes()
     if self.has_projection:
-      shapes['project_out'] = {'kernel': (self.hidden_size, self.embed_dim)}
+      shapes['project_out'] = {'weight': (self.embed_dim, self.hidden_size)}
     return shapes
 
   def tokens_shape(self) -> tuple[int, int]:

@@ -355,7 +355,7 @@ class _KeptBlocks:
 
     packed = {}
     for path in params_lib.flatten(params_lib.stage_shapes(self.config, stage)):
-      rows = self._source.packed(hf_key(self.config, stage, path)[0], self._config)
+      rows = self._source.packed(hf_key(self.config, stage, path), self._config)
       if rows is not None:
         packed[path] = rows
     # the checkpoint's float values only where the file's blocks are not kept

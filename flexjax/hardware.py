@@ -275,7 +275,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   # each weight read from memory, as a layer's are, not from a cache that holds a small matrix:
   # one product on each of `size_mb` of distinct matrices in turn.
   compute = jnp.float32 if device.platform == 'cpu' else jnp.float16
-  weights = [jax.device_put(np.ones((hidden, 4 * hidden), np.float16), device)
+  weights = [jax.device_put(np.ones((4 * hidden, hidden), np.float16), device)
              for _ in range(max(1, size_mb * 2**20 // (8 * hidden * hidden)))]
 
   def matmul_rate(rows, backend):

@@ -16,46 +16,45 @@ from flexjax.config import ModelConfig, np_dtype
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
 
-# flexjax path inside a stage -> (HF name after the stage's prefix, transpose?).
-# HF Linear weights are [out, in]; flexjax kernels are [in, out].
+# flexjax path inside a stage -> HF name after the stage's prefix. HF Linear weights are
+# [out, in], as flexjax stores them: every tensor is taken as it is.
 _LAYER = {
-    ('attn_ln', 'scale'): ('self_attn_layer_norm.weight', False),
-    ('attn_ln', 'bias'): ('self_attn_layer_norm.bias', False),
-    **{(ours, kind): (f'self_attn.{theirs}.{"weight" if kind == "kernel" else "bias"}',
-                      kind == 'kernel')
+    ('attn_ln', 'scale'): 'self_attn_layer_norm.weight',
+    ('attn_ln', 'bias'): 'self_attn_layer_norm.bias',
+    **{(ours, kind): f'self_attn.{theirs}.{kind}'
        for ours, theirs in (('q', 'q_proj'), ('k', 'k_proj'), ('v', 'v_proj'), ('o', 'out_proj'))
-       for kind in ('kernel', 'bias')},
-    ('mlp_ln', 'scale'): ('final_layer_norm.weight', False),
-    ('mlp_ln', 'bias'): ('final_layer_norm.bias', False),
-    ('fc1', 'kernel'): ('fc1.weight', True),
-    ('fc1', 'bias'): ('fc1.bias', False),
-    ('fc2', 'kernel'): ('fc2.weight', True),
-    ('fc2', 'bias'): ('fc2.bias', False),
+       for kind in ('weight', 'bias')},
+    ('mlp_ln', 'scale'): 'final_layer_norm.weight',
+    ('mlp_ln', 'bias'): 'final_layer_norm.bias',
+    ('fc1', 'weight'): 'fc1.weight',
+    ('fc1', 'bias'): 'fc1.bias',
+    ('fc2', 'weight'): 'fc2.weight',
+    ('fc2', 'bias'): 'fc2.bias',
 }
-_TOKENS = {('tokens',): ('embed_tokens.weight', False)}
+_TOKENS = {('tokens',): 'embed_tokens.weight'}
 _EMBED = {
-    ('positions',): ('embed_positions.weight', False),
-    ('project_in', 'kernel'): ('project_in.weight', True),
+    ('positions',): 'embed_positions.weight',
+    ('project_in', 'weight'): 'project_in.weight',
 }
 _HEAD = {
-    ('final_ln', 'scale'): ('final_layer_norm.weight', False),
-    ('final_ln', 'bias'): ('final_layer_norm.bias', False),
-    ('project_out', 'kernel'): ('project_out.weight', True),
+    ('final_ln', 'scale'): 'final_layer_norm.weight',
+    ('final_ln', 'bias'): 'final_layer_norm.bias',
+    ('project_out', 'weight'): 'project_out.weight',
 }
 
 # The llama family (Llama, Mistral, SmolLM2): full HF names, matrices kept [out, in] (flexjax's
 # 'weight'). Tied models have no lm_head.weight.
 _LLAMA_LAYER = {
-    ('attn_norm', 'scale'): ('input_layernorm.weight', False),
-    **{(ours, 'weight'): (f'self_attn.{ours}_proj.weight', False) for ours in 'qkvo'},
-    ('mlp_norm', 'scale'): ('post_attention_layernorm.weight', False),
-    **{(ours, 'weight'): (f'mlp.{ours}_proj.weight', False) for ours in ('gate', 'up', 'down')},
+    ('attn_norm', 'scale'): 'input_layernorm.weight',
+    **{(ours, 'weight'): f'self_attn.{ours}_proj.weight' for ours in 'qkvo'},
+    ('mlp_norm', 'scale'): 'post_attention_layernorm.weight',
+    **{(ours, 'weight'): f'mlp.{ours}_proj.weight' for ours in ('gate', 'up', 'down')},
 }
 _LLAMA_ENDS = {
-    'tokens': {('tokens',): ('model.embed_tokens.weight', False)},
+    'tokens': {('tokens',): 'model.embed_tokens.weight'},
     'embed': {},
-    'head': {('final_norm', 'scale'): ('model.norm.weight', False),
-             ('lm_head',): ('lm_head.weight', False)},  # [vocab, hidden], as flexjax stores it
+    'head': {('final_norm', 'scale'): 'model.norm.weight',
+             ('lm_head',): 'lm_head.weight'},  # [vocab, hidden], as flexjax stores it
 }
 
 TOKENIZER_FILES = ('tokenizer.json', 'vocab.json', 'merges.txt', 'tokenizer_config.json',
@@ -65,40 +64,35 @@ _SAFETENSORS_DTYPES = {'F32': 'float32', 'F16': 'float16', 'BF16': 'bfloat16', '
                        'I64': 'int64', 'I32': 'int32', 'U8': 'uint8', 'BOOL': 'bool'}
 
 
-def hf_name(stage: str, path: tuple[str, ...]) -> tuple[str, bool]:
-  """The HF tensor name (without 'model.') of a flexjax parameter, and whether to transpose it."""
+def hf_name(stage: str, path: tuple[str, ...]) -> str:
+  """The HF tensor name (without 'model.') of a flexjax parameter of the OPT family."""
   if stage.startswith('layer_'):
-    name, transpose = _LAYER[path]
-    return f'decoder.layers.{int(stage[6:])}.{name}', transpose
+    return f'decoder.layers.{int(stage[6:])}.{_LAYER[path]}'
   table = {'tokens': _TOKENS, 'embed': _EMBED, 'head': _HEAD}[stage]
-  name, transpose = table[path]
-  return f'decoder.{name}', transpose
+  return f'decoder.{table[path]}'
 
 
-def hf_key(cfg: ModelConfig, stage: str, path: tuple[str, ...]) -> tuple[str, bool]:
+def hf_key(cfg: ModelConfig, stage: str, path: tuple[str, ...]) -> str:
   """The full HF tensor name (e.g. 'model.layers.0.self_attn.q_proj.weight') of a flexjax
-  parameter of either family, and whether to transpose it."""
+  parameter of either family."""
   if cfg.family == 'opt':
-    name, transpose = hf_name(stage, path)
-    return f'model.{name}', transpose
+    return f'model.{hf_name(stage, path)}'
   if stage.startswith('layer_'):
-    name, transpose = _LLAMA_LAYER[path]
-    return f'model.layers.{int(stage[6:])}.{name}', transpose
+    return f'model.layers.{int(stage[6:])}.{_LLAMA_LAYER[path]}'
   return _LLAMA_ENDS[stage][path]
 
 
 def read_stage(cfg: ModelConfig, get: Callable[[str], np.ndarray], stage: str,
                dtype: np.dtype) -> params_lib.HostParams:
   """One flexjax stage from HF-named tensors (get(full HF name) -> array as HF stores it),
-  transposed, shape-checked against cfg and cast to dtype."""
+  shape-checked against cfg and cast to dtype."""
 
   def fetch(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
-    name, transpose = hf_key(cfg, stage, path)
+    name = hf_key(cfg, stage, path)
     value = get(name)
-    value = value.T if transpose else value
     if value.shape != shape:
-      raise FlexjaxError(f'{name} has shape {value.shape} (after transpose: {transpose}) but '
-                         f'the config implies {shape}; the config and the weights disagree')
+      raise FlexjaxError(f'{name} has shape {value.shape} but the config implies {shape}; the '
+                         f'config and the weights disagree')
     return np.ascontiguousarray(value, dtype=dtype)
 
   return params_lib.map_shapes(fetch, params_lib.stage_shapes(cfg, stage))
@@ -212,7 +206,7 @@ class HFCheckpoint:
     self._readers[key.removeprefix('model.')] = reader
 
   def source_dtype(self) -> str:
-    dtype = self.tensor(hf_key(self.config, 'tokens', ('tokens',))[0]).dtype
+    dtype = self.tensor(hf_key(self.config, 'tokens', ('tokens',))).dtype
     return 'bfloat16' if dtype == np_dtype('bfloat16') else str(dtype)
 
   def tensor(self, name: str) -> np.ndarray:
@@ -224,7 +218,7 @@ class HFCheckpoint:
     return self._readers[name]()
 
   def read_stage(self, stage: str, dtype: np.dtype) -> params_lib.HostParams:
-    """One flexjax stage from the HF tensors, transposed, shape-checked and cast to dtype."""
+    """One flexjax stage from the HF tensors, shape-checked and cast to dtype."""
     return read_stage(self.config, self.tensor, stage, dtype)
 
   def stages(self, dtype: np.dtype) -> Iterator[tuple[str, params_lib.HostParams]]:

@@ -201,7 +201,7 @@ def flexgen_groups(stage: str, shapes: dict[Path, tuple[int, ...]]) -> list[list
     names = [[('final_ln', 'scale'), ('final_ln', 'bias'), ('final_norm', 'scale'), ('tokens',),
               ('lm_head',)]]
   else:  # OPT's names, then the llama family's
-    dense = lambda *layers: [(n, part) for n in layers for part in ('kernel', 'weight', 'bias')]
+    dense = lambda *layers: [(n, part) for n in layers for part in ('weight', 'bias')]
     names = [dense('q', 'k', 'v', 'o') + [('attn_ln', 'scale'), ('attn_ln', 'bias'),
                                           ('attn_norm', 'scale')],
              dense('fc1', 'fc2', 'gate', 'up', 'down') + [('mlp_ln', 'scale'), ('mlp_ln', 'bias'),

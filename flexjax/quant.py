@@ -106,8 +106,7 @@ def dequantize(data: jax.Array, dim: int, config: QuantConfig, dtype=jnp.float32
 
 
 def pack(x, config: QuantConfig) -> Packed:
-  """Quantizes a weight tensor along its last axis (output channels of an OPT [in, out] kernel,
-  inputs of a llama-family [out, in] weight)."""
+  """Quantizes a weight tensor along its last axis (the inputs of an [out, in] weight)."""
   return Packed(data=quantize(jnp.asarray(x), config), dim=x.shape[-1], config=config)
 
 

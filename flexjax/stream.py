@@ -25,7 +25,7 @@ from flexjax.config import np_dtype
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
 
-FORMAT = 'flexjax-stream-v2'
+FORMAT = 'flexjax-stream-v3'
 INDEX = 'index.json'
 
 

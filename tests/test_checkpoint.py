@@ -15,9 +15,7 @@ from flexjax.model import params as params_lib
 
 
 def _expected(torch_model, stage, path):
-  name, transpose = hf_name(stage, path)
-  value = torch_model.state_dict()['model.' + name].numpy()
-  return value.T if transpose else value
+  return torch_model.state_dict()['model.' + hf_name(stage, path)].numpy()
 
 
 def test_round_trip_is_exact(tiny):
@@ -39,8 +37,8 @@ def test_one_layer_restores_without_the_others(pre_ln, tmp_path):
     if stage != 'layer_001':
       shutil.rmtree(copy / stage)
   layer = ckpt.read('layer_001')
-  np.testing.assert_array_equal(layer['fc1']['kernel'],
-                                _expected(pre_ln.torch_model, 'layer_001', ('fc1', 'kernel')))
+  np.testing.assert_array_equal(layer['fc1']['weight'],
+                                _expected(pre_ln.torch_model, 'layer_001', ('fc1', 'weight')))
 
 
 def test_tokenizer_files_are_carried(pre_ln):
@@ -64,9 +62,9 @@ def test_keys_without_model_prefix_and_fp16_storage(tmp_path):
   convert(tmp_path / 'hf', tmp_path / 'ckpt', dtype='float16', progress=False)
   ckpt = Checkpoint(tmp_path / 'ckpt')
   assert ckpt.dtype == 'float16'
-  q = ckpt.read('layer_000')['q']['kernel']
+  q = ckpt.read('layer_000')['q']['weight']
   assert q.dtype == np.float16
-  np.testing.assert_array_equal(q, _expected(model, 'layer_000', ('q', 'kernel')).astype(np.float16))
+  np.testing.assert_array_equal(q, _expected(model, 'layer_000', ('q', 'weight')).astype(np.float16))
 
 
 def test_pytorch_bin_checkpoint(tmp_path):
@@ -76,8 +74,8 @@ def test_pytorch_bin_checkpoint(tmp_path):
   torch.save(model.state_dict(), tmp_path / 'hf' / 'pytorch_model.bin')
   convert(tmp_path / 'hf', tmp_path / 'ckpt', progress=False)
   ckpt = Checkpoint(tmp_path / 'ckpt')
-  np.testing.assert_array_equal(ckpt.read('head')['project_out']['kernel'],
-                                _expected(model, 'head', ('project_out', 'kernel')))
+  np.testing.assert_array_equal(ckpt.read('head')['project_out']['weight'],
+                                _expected(model, 'head', ('project_out', 'weight')))
 
 
 def test_bfloat16_safetensors_are_read(tmp_path):
@@ -85,8 +83,8 @@ def test_bfloat16_safetensors_are_read(tmp_path):
   model.save_pretrained(tmp_path / 'hf')
   hf = HFCheckpoint(tmp_path / 'hf')
   assert hf.source_dtype() == 'bfloat16'
-  got = hf.read_stage('layer_000', np.dtype(np.float32))['fc2']['kernel']
-  want = model.state_dict()['model.decoder.layers.0.fc2.weight'].float().numpy().T
+  got = hf.read_stage('layer_000', np.dtype(np.float32))['fc2']['weight']
+  want = model.state_dict()['model.decoder.layers.0.fc2.weight'].float().numpy()
   np.testing.assert_array_equal(got, want)
 
 

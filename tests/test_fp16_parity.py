@@ -49,8 +49,7 @@ def test_both_sides_hold_the_same_fp16_values(fp16):
   compared = 0
   for stage in params_lib.stage_names(ckpt.config):
     for path, stored in params_lib.flatten(ckpt.read(stage)).items():
-      name, transpose = hf_name(stage, path)
-      theirs = state[name].T if transpose else state[name]
+      theirs = state[hf_name(stage, path)]
       assert stored.dtype == np.float16, f'{stage}/{path}'
       np.testing.assert_array_equal(stored.astype(np.float32), theirs, err_msg=f'{stage}/{path}')
       compared += 1

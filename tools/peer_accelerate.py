@@ -106,9 +106,8 @@ def export_dummy_checkpoint(cfg: ModelConfig, directory: str | os.PathLike, *,
 
     for stage in params_lib.stage_names(cfg):
       for path, array in params_lib.flatten(source.read(stage)).items():
-        name, transpose = hf_key(cfg, stage, path)
-        value = np.ascontiguousarray(array.T if transpose else array)
-        shard[name] = torch.from_numpy(value).to(getattr(torch, dtype))
+        value = np.ascontiguousarray(array)
+        shard[hf_key(cfg, stage, path)] = torch.from_numpy(value).to(getattr(torch, dtype))
       if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
         flush()
     if shard:

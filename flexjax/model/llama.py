@@ -86,7 +86,7 @@ def head(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype) -> ja
   p = attention.cast_params(params, compute_dtype)
   x = rms_norm(p['final_norm']['scale'], x.astype(compute_dtype), cfg.rms_norm_eps)
   w = p['tokens'] if cfg.tie_word_embeddings else p['lm_head']  # [vocab, hidden]
-  return linear.dense_transposed(x, w, compute_dtype).astype(jnp.float32)
+  return linear.dense(x, w, compute_dtype).astype(jnp.float32)
 
 
 def _qkv(p: Params, x: jax.Array, positions: jax.Array, cfg: ModelConfig):

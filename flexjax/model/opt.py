@@ -54,7 +54,7 @@ def head(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype) -> ja
     x = layer_norm(p.get('final_ln', {}), x, cfg.layer_norm_eps)
   if cfg.has_projection:
     x = linear.layer(p['project_out'], x)
-  return linear.dense_transposed(x, p['tokens'], compute_dtype).astype(jnp.float32)
+  return linear.dense(x, p['tokens'], compute_dtype).astype(jnp.float32)
 
 
 def _qkv(p: Params, x: jax.Array, cfg: ModelConfig):
