@@ -11,9 +11,9 @@ from flexjax.model import linear
 @pytest.mark.parametrize('rows,cols', [(64, 32), (96, 1 << 15), (97, 1 << 15), (5, 7)])
 def test_tile_rows_divides_or_leaves_one_short_tile(rows, cols):
   r = linear.tile_rows(rows, cols)
-  assert 1 <= r <= rows
+  assert 1 <= r <= max(1, rows // 2)  # never one tile of the whole matrix
   assert r * cols <= max(linear.TILE_ELEMENTS, cols)
-  assert rows % r == 0 or r == max(1, min(rows, linear.TILE_ELEMENTS // cols))
+  assert rows % r == 0 or r == max(1, min(rows // 2, linear.TILE_ELEMENTS // cols))
 
 
 @pytest.mark.parametrize('rows,cols,lead', [(4096, 4096, (3, 1)), (97, 1 << 17, (2, 5)),
@@ -53,8 +53,8 @@ def test_decode_temporaries_are_tiles_not_a_float32_matrix():
 
 @pytest.mark.parametrize('lead', [(2, linear.CAST_ALL_ROWS), (2 * linear.CAST_ALL_ROWS + 37,)])
 def test_products_of_many_rows_cast_once_and_match(lead):
-  """A prompt-sized product casts the matrix once (XLA keeps its float32 copy) and multiplies
-  it by row blocks, the last one shorter: the same values as one product."""
+  """A prompt-sized product casts the matrix once (XLA keeps its float32 copy), and its values
+  are those of one float32 product, whatever the row count."""
   rng = np.random.default_rng(1)
   rows, cols = 384, 256
   x = jnp.asarray(rng.standard_normal((*lead, cols)), jnp.float32)

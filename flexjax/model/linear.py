@@ -7,8 +7,9 @@ it is in cache, and XLA:CPU's product of a wide matrix with a few columns runs n
 where x @ W^T with few rows does not (a 4096 x 16384 float16 weight, 32 rows, on the 2-core
 AVX-512 CPU: 35 ms against 53 ms for tiles of an [in, out] kernel, and torch's 43 ms for float32
 weights). Each output is one tile's, so nothing sums across tiles.
-A product of many rows (a prompt) casts the whole matrix once and multiplies it by blocks of
-CAST_ALL_ROWS rows: the cast is then a small share of the work.
+A product of many rows (a prompt, CAST_ALL_ROWS or more) casts the whole matrix once and is one
+product x @ W^T: the cast is then a small share of the work (300-330 GFLOP/s on the AVX-512 CPU
+for 4096 rows, against 200-300 for blocks of 1024 rows or tiles of W).
 Where the dtypes already agree (float16 compute on a GPU, dequantized int4) it is one product.
 
 Products in a 16-bit compute dtype sum in float32 and round once at the end (`acc_dtype`):
@@ -29,13 +30,15 @@ import jax.numpy as jnp
 # Weights per tile of a few-row product: 16 MiB in float32, large enough that XLA:CPU's
 # per-product overhead is small, and 25-35% faster than 1 Mi-weight tiles.
 TILE_ELEMENTS = 1 << 22
-CAST_ALL_ROWS = 1024  # rows from which a product casts the whole matrix, and its row blocks
+CAST_ALL_ROWS = 1024  # rows from which a product casts the whole matrix
 
 
 def tile_rows(rows: int, cols: int) -> int:
   """Rows per tile of a [rows, cols] weight: a divisor of `rows` near TILE_ELEMENTS // cols
-  where one is close, else that many (the rows left over form one more, shorter product)."""
-  cap = max(1, min(rows, TILE_ELEMENTS // cols))
+  where one is close, else that many (the rows left over form one more, shorter product); at
+  most half the rows, so that a matrix is never one tile (one tile's cast of a whole 2048 x 2048
+  weight slowed an opt-1.3b decode layer of 8 rows from 20 to 38-41 ms)."""
+  cap = max(1, min(rows // 2, TILE_ELEMENTS // cols))
   best = max(d for d in range(1, cap + 1) if rows % d == 0)
   return best if 2 * best >= cap else cap
 
@@ -63,11 +66,10 @@ def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   outs, ins = w.shape
   lead = x.shape[:-1]
   flat = x.reshape(math.prod(lead), ins)
-  if w.dtype == dtype:
-    y = _x_wt(flat, w) if flat.shape[0] >= CAST_ALL_ROWS else _w_xt(w, flat.T).T
-    return y.astype(dtype).reshape(*lead, outs)
   if flat.shape[0] >= CAST_ALL_ROWS:
-    return _row_blocks(flat, w.astype(dtype)).astype(dtype).reshape(*lead, outs)
+    return _x_wt(flat, w.astype(dtype)).astype(dtype).reshape(*lead, outs)
+  if w.dtype == dtype:
+    return _w_xt(w, flat.T).T.astype(dtype).reshape(*lead, outs)
   r = tile_rows(outs, ins)
   tiles = outs // r
   xt = flat.T
@@ -89,16 +91,6 @@ def _row_tile(w: jax.Array, i: jax.Array, r: int) -> jax.Array:
   tiles would copy the whole matrix first whenever a shorter tile is left over (OPT's
   50272-row token table as the LM head: 196 MiB copied per call for OPT-1.3B)."""
   return jax.lax.dynamic_slice_in_dim(w, i * r, r, axis=0)
-
-
-def _row_blocks(flat: jax.Array, w: jax.Array) -> jax.Array:
-  """flat [m, i] against w [o, i] as products of CAST_ALL_ROWS rows (the last one shorter), in
-  acc_dtype(w.dtype)."""
-  m, n = flat.shape[0], CAST_ALL_ROWS
-  whole = m // n * n
-  out = jax.lax.map(lambda block: _x_wt(block, w), flat[:whole].reshape(m // n, n, -1))
-  out = out.reshape(whole, w.shape[0])
-  return out if whole == m else jnp.concatenate([out, _x_wt(flat[whole:], w)], axis=0)
 
 
 def take_rows(table, ids: jax.Array) -> jax.Array:
