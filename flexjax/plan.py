@@ -22,6 +22,7 @@ import numpy as np
 from flexjax.config import ModelConfig, np_dtype
 from flexjax.diskio import BLOCK, align_up
 from flexjax.errors import FlexjaxError
+from flexjax.model import linear
 from flexjax.model import params as params_lib
 from flexjax.policy import Policy, flexgen_tiers, split_by_share
 from flexjax.quant import Packed
@@ -594,6 +595,19 @@ def format_bytes(nbytes) -> str:
   return f'{int(nbytes)} B'
 
 
+def estimate_rows(batch: int, prompt_len: int) -> int:
+  """The smaller of the two consecutive sequence counts whose compiled steps estimate a GPU
+  batch of `batch` (Planner.xla): 1, unless the batch's prompt products are one product against
+  the cast matrix (linear.CAST_ALL_ROWS rows or more) while one sequence's are tiles; then the
+  first count whose prompt is that form (or batch - 1, so that the second count is the batch
+  itself). The cast matrix is there once whatever the rows, so a line through one count of each
+  form would charge it once per sequence."""
+  first = max(1, math.ceil(linear.CAST_ALL_ROWS / prompt_len))
+  if batch * prompt_len < linear.CAST_ALL_ROWS or first == 1:
+    return 1
+  return max(1, min(first, batch - 1))
+
+
 class Planner:
   """Plans runs of one model, weight source dtype and compute/cache dtypes on one backend.
 
@@ -709,15 +723,18 @@ class Planner:
   def xla(self, policy: Policy, *, prompt_len: int, gen_len: int, temperature: float = 0.0,
           top_p: float = 1.0, estimate: bool = False) -> dict[str, Any]:
     """XLA bytes per step kind of `policy`: compiled at its real shapes, or (estimate) from
-    the steps compiled for one and two sequences, extended linearly to the GPU batch (their
-    sizes grow linearly with it; the search screens many batch sizes this way)."""
+    the steps compiled for two consecutive sequence counts, extended linearly to the GPU batch
+    (their sizes grow linearly with it within one form of the products; the search screens
+    many batch sizes this way). See `estimate_rows` for the two counts."""
     if not estimate:
       return step_bytes(self.working(
           policy, rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
           cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
           temperature=temperature, top_p=top_p))
+    b = policy.gpu_batch_size
+    low = estimate_rows(b, prompt_len)
     fits = []
-    for rows in (1, 2):
+    for rows in (low, low + 1):
       kw = dict(rows=rows, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
                 top_p=top_p)
       on_device = step_bytes(self.working(policy, device_rows=rows, cpu_attention=False, **kw))
@@ -726,8 +743,7 @@ class Planner:
         on_device = {k: max(on_device[k], on_cpu[k]) for k in on_device}
       fits.append(on_device)
     one, two = fits
-    b = policy.gpu_batch_size
-    return {k: max(one[k], one[k] + (b - 1) * (two[k] - one[k])) for k in one}
+    return {k: max(one[k], one[k] + (b - low) * (two[k] - one[k])) for k in one}
 
   def plan(self, policy: Policy, *, prompt_len: int, gen_len: int, return_logits: bool = False,
            temperature: float = 0.0, top_p: float = 1.0, estimate: bool = False,

@@ -13,6 +13,7 @@ from flexjax.config import ModelConfig, preset
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
 from flexjax.hardware import HardwareProfile, t4_profile
+from flexjax.model import linear
 from flexjax.policy import Policy
 from flexjax.search import search, solve_placement
 
@@ -254,3 +255,20 @@ def test_ranking_takes_fewer_gpu_batches_within_the_tie_only():
   far = 1 - 2 * TIE
   ranked = _ranked([result(2, 8, 10.0), result(16, 1, 10.0 * far)])
   assert [r.policy.num_gpu_batches for r in ranked] == [8, 1]
+
+
+@pytest.mark.parametrize('batch,prompt_len', [(8, 512), (16, 128)])
+def test_estimated_step_bytes_follow_the_compiled_ones_past_the_cast(batch, prompt_len):
+  """A batch whose prompt products run against the whole cast matrix (linear.CAST_ALL_ROWS rows
+  or more) while one sequence's run as tiles: the screening estimate stays near what XLA
+  reports for the steps compiled at the batch's real shapes. A line through one and two
+  sequences charged the cast matrix once per sequence (2.3x the compiled bytes for 8 x 512) or
+  missed it (0.9x for 16 x 128)."""
+  cfg = ModelConfig(name='wide', num_layers=1, hidden_size=1024, num_heads=16, ffn_dim=4096,
+                    vocab_size=1000, max_positions=1024)
+  planner = plan_lib.Planner.for_sizes(cfg, plan_lib.Itemsizes(2, 4, 4), device_is_host=True)
+  policy = Policy(gpu_batch_size=batch, num_gpu_batches=1)
+  assert batch * prompt_len >= linear.CAST_ALL_ROWS > prompt_len
+  compiled = planner.xla(policy, prompt_len=prompt_len, gen_len=4)['prefill_step']
+  estimated = planner.xla(policy, prompt_len=prompt_len, gen_len=4, estimate=True)
+  assert 0.95 * compiled <= estimated['prefill_step'] <= 1.25 * compiled
