@@ -26,10 +26,7 @@ _LAYER = {
        for kind in ('weight', 'bias')},
     ('mlp_ln', 'scale'): 'final_layer_norm.weight',
     ('mlp_ln', 'bias'): 'final_layer_norm.bias',
-    ('fc1', 'weight'): 'fc1.weight',
-    ('fc1', 'bias'): 'fc1.bias',
-    ('fc2', 'weight'): 'fc2.weight',
-    ('fc2', 'bias'): 'fc2.bias',
+    **{(fc, kind): f'{fc}.{kind}' for fc in ('fc1', 'fc2') for kind in ('weight', 'bias')},
 }
 _TOKENS = {('tokens',): 'embed_tokens.weight'}
 _EMBED = {
@@ -41,6 +38,7 @@ _HEAD = {
     ('final_ln', 'bias'): 'final_layer_norm.bias',
     ('project_out', 'weight'): 'project_out.weight',
 }
+_OPT_ENDS = {'tokens': _TOKENS, 'embed': _EMBED, 'head': _HEAD}
 
 # The llama family (Llama, Mistral, SmolLM2): full HF names, matrices kept [out, in] (flexjax's
 # 'weight'). Tied models have no lm_head.weight.
@@ -68,8 +66,7 @@ def hf_name(stage: str, path: tuple[str, ...]) -> str:
   """The HF tensor name (without 'model.') of a flexjax parameter of the OPT family."""
   if stage.startswith('layer_'):
     return f'decoder.layers.{int(stage[6:])}.{_LAYER[path]}'
-  table = {'tokens': _TOKENS, 'embed': _EMBED, 'head': _HEAD}[stage]
-  return f'decoder.{table[path]}'
+  return f'decoder.{_OPT_ENDS[stage][path]}'
 
 
 def hf_key(cfg: ModelConfig, stage: str, path: tuple[str, ...]) -> str:

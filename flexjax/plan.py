@@ -605,7 +605,7 @@ def estimate_rows(batch: int, prompt_len: int) -> int:
   first = max(1, math.ceil(linear.CAST_ALL_ROWS / prompt_len))
   if batch * prompt_len < linear.CAST_ALL_ROWS or first == 1:
     return 1
-  return max(1, min(first, batch - 1))
+  return min(first, batch - 1)  # batch >= 2 here, as batch * prompt_len > prompt_len
 
 
 class Planner:
