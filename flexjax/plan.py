@@ -595,15 +595,20 @@ def format_bytes(nbytes) -> str:
   return f'{int(nbytes)} B'
 
 
-def estimate_rows(batch: int, prompt_len: int) -> int:
+def estimate_rows(batch: int, prompt_len: int,
+                  forms: tuple[int, ...] = (linear.CAST_ALL_ROWS,)) -> int:
   """The smaller of the two consecutive sequence counts whose compiled steps estimate a GPU
-  batch of `batch` (Planner.xla): 1, unless the batch's prompt products are one product against
-  the cast matrix (linear.CAST_ALL_ROWS rows or more) while one sequence's are tiles; then the
-  first count whose prompt is that form (or batch - 1, so that the second count is the batch
-  itself). The cast matrix is there once whatever the rows, so a line through one count of each
-  form would charge it once per sequence."""
-  first = max(1, math.ceil(linear.CAST_ALL_ROWS / prompt_len))
-  if batch * prompt_len < linear.CAST_ALL_ROWS or first == 1:
+  batch of `batch` (Planner.xla): 1, unless the batch's prompt products take another form than
+  one sequence's (`forms`: the product rows from which they do, steps.Steps.prompt_forms: the
+  whole cast matrix from linear.CAST_ALL_ROWS, oneDNN from linear.LIBRARY_ROWS on a CPU); then
+  the first count whose prompt takes the batch's form (or batch - 1, so that the second count
+  is the batch itself). The cast matrix and oneDNN's scratch are there once whatever the rows,
+  so a line through one count of each form would charge them once per sequence, or not at all."""
+  reached = [rows for rows in forms if batch * prompt_len >= rows]
+  if not reached:
+    return 1
+  first = max(1, math.ceil(max(reached) / prompt_len))
+  if first == 1:
     return 1
   return min(first, batch - 1)  # batch >= 2 here, as batch * prompt_len > prompt_len
 
@@ -732,7 +737,7 @@ class Planner:
           cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
           temperature=temperature, top_p=top_p))
     b = policy.gpu_batch_size
-    low = estimate_rows(b, prompt_len)
+    low = estimate_rows(b, prompt_len, self.steps(policy).prompt_forms())
     fits = []
     for rows in (low, low + 1):
       kw = dict(rows=rows, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,

@@ -18,7 +18,7 @@ import numpy as np
 
 from flexjax import quant as quant_lib
 from flexjax.config import ModelConfig, np_dtype
-from flexjax.model import attention
+from flexjax.model import attention, linear
 from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
 from flexjax.policy import Policy
@@ -108,7 +108,6 @@ class _Compile:
 
 RUN = _Run()
 
-
 class Steps:
   """The jitted step functions of one model, policy and dtype set, and the calls a run makes.
 
@@ -133,6 +132,12 @@ class Steps:
                         static_argnames=('temperature', 'top_p'))
     self.prefill_layer = jax.jit(functools.partial(prefill_layer, **layer_kw),
                                  static_argnames=('device_rows',), donate_argnums=(2,))
+    # On a CPU backend, long float32 prompt steps run their products in oneDNN (`uses_library`;
+    # bfloat16 ones ran slower there: opt-1.3b prefill layer of 8 x 512, 897 against 773 ms).
+    self.library = device.platform == 'cpu' and self.compute == np.float32
+    self.prefill_layer_library = jax.jit(
+        functools.partial(prefill_layer, **layer_kw), static_argnames=('device_rows',),
+        donate_argnums=(2,), compiler_options=linear.library_options()) if self.library else None
     self.decode_layer = jax.jit(functools.partial(decode_layer, **layer_kw),
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
     self.decode_front = jax.jit(functools.partial(decode_front, **layer_kw),
@@ -155,6 +160,25 @@ class Steps:
       return self.policy.quant.row_bytes(self.cfg.kv_dim), np.dtype(np.uint8)
     return self.cfg.kv_dim, self.cache
 
+  def uses_library(self, geom: Geometry) -> bool:
+    """Whether the prefill steps of `geom` run their products in oneDNN (XLA:CPU, float32,
+    prompt products of linear.LIBRARY_ROWS rows or more)."""
+    return self.library and geom.rows * geom.prompt_len >= linear.LIBRARY_ROWS
+
+  def prompt_forms(self) -> tuple[int, ...]:
+    """The product rows from which a prompt step's products take another form: the cast matrix
+    (linear.CAST_ALL_ROWS) and, on a CPU backend, oneDNN (linear.LIBRARY_ROWS)."""
+    return (linear.CAST_ALL_ROWS, linear.LIBRARY_ROWS) if self.library else (
+        linear.CAST_ALL_ROWS,)
+
+  def library_scratch(self) -> int:
+    """Bytes oneDNN allocates during a prefill step beyond XLA's own: a packed copy of each
+    matrix a product reads, in the compute dtype, for as long as the product runs (measured:
+    one 4096 x 16384 float32 matrix's 256 MiB per product over XLA's bytes, nothing left after
+    the call). Products of a step may run at once, so every matrix of a layer is counted."""
+    shapes = jax.tree.leaves(self.cfg.layer_shapes(), is_leaf=lambda v: isinstance(v, tuple))
+    return sum(int(np.prod(shape)) for shape in shapes if len(shape) == 2) * self.compute.itemsize
+
   def keep(self, total_len: int) -> int | None:
     """Cached positions sparse attention keeps per decode step; None for dense attention."""
     return None if self.policy.attn_sparsity == 1 else sparse_keep(self.policy, total_len)
@@ -175,7 +199,8 @@ class Steps:
 
   def prefill_step(self, geom: Geometry, params, x, caches, mask, call=RUN):
     """A prefill step of one layer: (y, device caches, offloaded rows' entries or None)."""
-    return call(self.prefill_layer, params, x, caches, mask, device_rows=geom.device_rows)
+    fn = self.prefill_layer_library if self.uses_library(geom) else self.prefill_layer
+    return call(fn, params, x, caches, mask, device_rows=geom.device_rows)
 
   def decode_step(self, geom: Geometry, params, x, caches, inputs: StepInputs, loaded,
                   gather_v: Callable, call=RUN):
@@ -257,6 +282,9 @@ class Steps:
     self.prefill_step(geom, params['layer'], spec((b, s, h), cdt), self._cache_specs(geom),
                       spec((b, s), bool), call=compile_)
     out['prefill'] = _combine(compile_.parts['device'])
+    if self.uses_library(geom):
+      out['prefill'] = StepMemory(out['prefill'].temp + self.library_scratch(),
+                                  out['prefill'].output)
     compile_ = self._compiler()
     self.decode_step(geom, params['layer'], spec((b, 1, h), cdt), self._cache_specs(geom),
                      self._input_specs(geom), self._loaded_specs(geom), self._gather_spec(geom),

@@ -8,8 +8,8 @@ Per rows x positions: `decode_attention` (attention.attend_decode: one new token
 over its cache) with the bytes of cache it reads per second, and `decode_layer` (the jitted
 decode step of one layer, weights stored float16 and cast in the step, cache on the device).
 Per rows x prompt length: `prefill_attention` (attention.prefill_attend, causal, in chunks)
-and `prefill_layer` (the jitted prefill step of one layer, weights stored float16, no cache
-kept), each with its FLOP rate.
+and `prefill_layer` (the prefill step of one layer as a run calls it, oneDNN's products on a CPU
+from linear.LIBRARY_ROWS rows, weights stored float16, no cache kept), each with its FLOP rate.
 Each time is the best of --repeats runs after a compiling run.
 """
 
@@ -49,9 +49,6 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
                          device)
   attend = jax.jit(functools.partial(attention.attend_decode, cfg=cfg))
   prefill = jax.jit(functools.partial(attention.prefill_attend, cfg=cfg))
-  prefill_layer = jax.jit(functools.partial(
-      steps_lib.prefill_layer, cfg=cfg, compute_dtype=np.float32, cache_dtype=np.float32,
-      cache_quant=None, device_rows=0))
   mm_flops = 2 * sum(int(np.prod(shape)) for shape in params_lib.flatten(
       cfg.layer_shapes()).values() if len(shape) == 2)
   out = []
@@ -84,7 +81,10 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
       out.append({'case': 'prefill_attention', 'rows': b, 'positions': s, 'ms': ms,
                   'gflop_s': attention_flops / ms / 1e6})
       x = put((b, s, cfg.hidden_size))
-      ms = best_ms(lambda: jax.block_until_ready(prefill_layer(layer, x, None, mask)), repeats)
+      geom = steps_lib.Geometry(rows=b, device_rows=0, cpu_attention=False, prompt_len=s,
+                                total_len=s)
+      ms = best_ms(lambda: jax.block_until_ready(steps.prefill_step(geom, layer, x, None, mask)),
+                   repeats)
       out.append({'case': 'prefill_layer', 'rows': b, 'positions': s, 'ms': ms,
                   'gflop_s': (b * s * mm_flops + attention_flops) / ms / 1e6})
   return [{'model': cfg.name, 'device': f'{device.platform}:{device.device_kind}', **r}

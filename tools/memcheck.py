@@ -47,6 +47,9 @@ CASES: dict[str, tuple[str, ...]] = {
                                           '--act_cpu_percent=50', '--nooverlap'),
     'prefill_heavy': ('--model=opt-125m', '--prompt_len=512', '--gen_len=2',
                       '--gpu_batch_size=48'),
+    # prompt steps of linear.LIBRARY_ROWS rows: oneDNN's products on a CPU backend
+    'prefill_library': ('--model=opt-125m', '--prompt_len=256', '--gen_len=4',
+                        '--gpu_batch_size=8', '--w_gpu_percent=0', '--w_cpu_percent=100'),
     'decode_heavy': ('--model=opt-125m', '--prompt_len=32', '--gen_len=64', '--gpu_batch_size=32',
                      '--num_gpu_batches=2'),
     'opt350m_disk_block': ('--model=opt-350m', '--prompt_len=256', '--gen_len=8',
@@ -55,7 +58,8 @@ CASES: dict[str, tuple[str, ...]] = {
                            '--cache_cpu_percent=25'),
 }
 # Cases CI runs (small and quick).
-CI_CASES = ('all_device', 'weights_disk', 'cpu_attention', 'weights_host_pinned')
+CI_CASES = ('all_device', 'weights_disk', 'cpu_attention', 'weights_host_pinned',
+            'prefill_library')
 # The overhead case: a model so small that the plan's buffers are negligible next to the
 # runtime's own memory.
 OVERHEAD_CASE = ('--model=opt-125m', '--prompt_len=8', '--gen_len=2', '--gpu_batch_size=1')
