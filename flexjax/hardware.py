@@ -278,12 +278,9 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   weights = [jax.device_put(np.ones((4 * hidden, hidden), np.float16), device)
              for _ in range(max(1, size_mb * 2**20 // (8 * hidden * hidden)))]
 
-  def matmul_rate(rows, backend):  # compiled as the steps of that many rows are
+  def matmul_rate(rows, backend):
     a = jax.device_put(np.ones((rows, hidden), compute), backend)
-    library = (backend.platform == 'cpu' and compute == jnp.float32
-               and rows >= linear.LIBRARY_ROWS)
-    f = jax.jit(functools.partial(linear.dense, dtype=compute),
-                compiler_options=linear.library_options() if library else None)
+    f = jax.jit(functools.partial(linear.dense, dtype=compute))
     f(a, weights[0]).block_until_ready()
     seconds = best_seconds(lambda: [f(a, w) for w in weights][-1].block_until_ready(),
                            min_total=0.5)

@@ -48,7 +48,7 @@ CASES: dict[str, tuple[str, ...]] = {
     'prefill_heavy': ('--model=opt-125m', '--prompt_len=512', '--gen_len=2',
                       '--gpu_batch_size=48'),
     # prompt steps of linear.LIBRARY_ROWS rows: oneDNN's products on a CPU backend
-    'prefill_library': ('--model=opt-125m', '--prompt_len=256', '--gen_len=4',
+    'prefill_library': ('--model=opt-125m', '--prompt_len=512', '--gen_len=4',
                         '--gpu_batch_size=8', '--w_gpu_percent=0', '--w_cpu_percent=100'),
     'decode_heavy': ('--model=opt-125m', '--prompt_len=32', '--gen_len=64', '--gpu_batch_size=32',
                      '--num_gpu_batches=2'),
