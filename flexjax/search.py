@@ -234,6 +234,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
     best = max(checked, key=lambda r: r.prediction.throughput)
     if checked[-1].prediction.throughput >= (1 - TIE) * top:
       best = checked[-1]
+    planner.release_compiled()
     return dataclasses.replace(best, seconds=time.perf_counter() - start)
   raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len))
 
