@@ -607,7 +607,7 @@ def estimate_rows(batch: int, prompt_len: int,
   reached = [rows for rows in forms if batch * prompt_len >= rows]
   if not reached:
     return 1
-  first = max(1, math.ceil(max(reached) / prompt_len))
+  first = math.ceil(max(reached) / prompt_len)
   if first == 1:
     return 1
   return min(first, batch - 1)  # batch >= 2 here, as batch * prompt_len > prompt_len

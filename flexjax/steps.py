@@ -18,6 +18,7 @@ import numpy as np
 
 from flexjax import quant as quant_lib
 from flexjax.config import ModelConfig, np_dtype
+from flexjax.cost_model import layer_matmul_params
 from flexjax.model import attention, linear
 from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
@@ -108,6 +109,7 @@ class _Compile:
 
 RUN = _Run()
 
+
 class Steps:
   """The jitted step functions of one model, policy and dtype set, and the calls a run makes.
 
@@ -130,14 +132,14 @@ class Steps:
     self.embed = jax.jit(functools.partial(model.embed, **kw))
     self.head = jax.jit(functools.partial(head_sample, **kw),
                         static_argnames=('temperature', 'top_p'))
-    self.prefill_layer = jax.jit(functools.partial(prefill_layer, **layer_kw),
-                                 static_argnames=('device_rows',), donate_argnums=(2,))
+    prefill = lambda options: jax.jit(  # noqa: E731
+        functools.partial(prefill_layer, **layer_kw), static_argnames=('device_rows',),
+        donate_argnums=(2,), compiler_options=options)
+    self.prefill_layer = prefill(None)
     # On a CPU backend, long float32 prompt steps run their products in oneDNN (`uses_library`;
     # bfloat16 ones ran slower there: opt-1.3b prefill layer of 8 x 512, 897 against 773 ms).
     self.library = device.platform == 'cpu' and self.compute == np.float32
-    self.prefill_layer_library = jax.jit(
-        functools.partial(prefill_layer, **layer_kw), static_argnames=('device_rows',),
-        donate_argnums=(2,), compiler_options=linear.library_options()) if self.library else None
+    self.prefill_layer_library = prefill(linear.library_options()) if self.library else None
     self.decode_layer = jax.jit(functools.partial(decode_layer, **layer_kw),
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
     self.decode_front = jax.jit(functools.partial(decode_front, **layer_kw),
@@ -176,8 +178,7 @@ class Steps:
     matrix a product reads, in the compute dtype, for as long as the product runs (measured:
     one 4096 x 16384 float32 matrix's 256 MiB per product over XLA's bytes, nothing left after
     the call). Products of a step may run at once, so every matrix of a layer is counted."""
-    shapes = jax.tree.leaves(self.cfg.layer_shapes(), is_leaf=lambda v: isinstance(v, tuple))
-    return sum(int(np.prod(shape)) for shape in shapes if len(shape) == 2) * self.compute.itemsize
+    return layer_matmul_params(self.cfg) * self.compute.itemsize
 
   def keep(self, total_len: int) -> int | None:
     """Cached positions sparse attention keeps per decode step; None for dense attention."""
