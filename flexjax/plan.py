@@ -511,7 +511,7 @@ def step_bytes(working: dict) -> dict[str, int]:
                           working['head'].total),
       'decode_step': max(working['embed'].total, working['decode'].total, working['head'].total),
       'cpu_attention': working['cpu_attention'].total,
-      'load': working['load'].temp,
+      'load': working['load'].working,
       'place': working['place'].total,
   }
 
@@ -639,7 +639,9 @@ class Planner:
     # their bytes scaled to the compute dtype's size.
     self.scale = 1.0
     self.compile_dtypes = dict(self.dtypes)
-    if device.platform == 'cpu' and not self.device_is_host:
+    # and XLA:CPU's library fusions (steps.StepMemory.library) do not run there
+    self.library_runs = not (device.platform == 'cpu' and not self.device_is_host)
+    if not self.library_runs:
       self.compile_dtypes.update(compute_dtype='float32', cache_dtype='float32',
                                  storage_dtype='float32')
       self.scale = self.sizes.compute / 4
@@ -715,6 +717,8 @@ class Planner:
           params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes()),
           geom=geom, temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
           largest_tensor=largest_tensor)
+      if not self.library_runs:  # XLA:CPU's library fusions do not run on the target
+        working = {k: dataclasses.replace(v, library=0) for k, v in working.items()}
       self._working[key] = {k: v.scaled(self.scale) for k, v in working.items()}
     return self._working[key]
 

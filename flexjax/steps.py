@@ -18,7 +18,7 @@ import numpy as np
 
 from flexjax import quant as quant_lib
 from flexjax.config import ModelConfig, np_dtype
-from flexjax.cost_model import layer_matmul_params
+from flexjax.library_scratch import scratch_bytes
 from flexjax.model import attention, linear
 from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
@@ -29,24 +29,34 @@ from flexjax.sampler import next_token
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
-  """XLA's own bytes for one call of a compiled function: temporaries and fresh outputs
-  (arguments are buffers the plan already lists; outputs aliasing a donated input are not new)."""
+  """The bytes one call of a compiled function adds: XLA's temporaries, what XLA:CPU's library
+  fusions allocate beside them (`library`, flexjax/library_scratch.py), and fresh outputs
+  (arguments are buffers the plan already lists; outputs aliasing a donated input are not
+  new)."""
 
   temp: int
   output: int
+  library: int = 0
+
+  @property
+  def working(self) -> int:
+    """Bytes held only while the call runs."""
+    return self.temp + self.library
 
   @property
   def total(self) -> int:
-    return self.temp + self.output
+    return self.working + self.output
 
   def scaled(self, factor: float) -> 'StepMemory':
-    return StepMemory(int(self.temp * factor), int(self.output * factor))
+    return StepMemory(int(self.temp * factor), int(self.output * factor),
+                      int(self.library * factor))
 
   @staticmethod
   def of(compiled) -> 'StepMemory':
     stats = compiled.memory_analysis()
     return StepMemory(temp=int(stats.temp_size_in_bytes),
-                      output=max(0, int(stats.output_size_in_bytes - stats.alias_size_in_bytes)))
+                      output=max(0, int(stats.output_size_in_bytes - stats.alias_size_in_bytes)),
+                      library=scratch_bytes(compiled.as_text()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,13 +183,6 @@ class Steps:
     return (linear.CAST_ALL_ROWS, linear.LIBRARY_ROWS) if self.library else (
         linear.CAST_ALL_ROWS,)
 
-  def library_scratch(self) -> int:
-    """Bytes oneDNN allocates during a prefill step beyond XLA's own: a packed copy of each
-    matrix a product reads, in the compute dtype, for as long as the product runs (measured:
-    one 4096 x 16384 float32 matrix's 256 MiB per product over XLA's bytes, nothing left after
-    the call). Products of a step may run at once, so every matrix of a layer is counted."""
-    return layer_matmul_params(self.cfg) * self.compute.itemsize
-
   def keep(self, total_len: int) -> int | None:
     """Cached positions sparse attention keeps per decode step; None for dense attention."""
     return None if self.policy.attn_sparsity == 1 else sparse_keep(self.policy, total_len)
@@ -283,9 +286,6 @@ class Steps:
     self.prefill_step(geom, params['layer'], spec((b, s, h), cdt), self._cache_specs(geom),
                       spec((b, s), bool), call=compile_)
     out['prefill'] = _combine(compile_.parts['device'])
-    if self.uses_library(geom):
-      out['prefill'] = StepMemory(out['prefill'].temp + self.library_scratch(),
-                                  out['prefill'].output)
     compile_ = self._compiler()
     self.decode_step(geom, params['layer'], spec((b, 1, h), cdt), self._cache_specs(geom),
                      self._input_specs(geom), self._loaded_specs(geom), self._gather_spec(geom),
@@ -505,4 +505,5 @@ def _combine(parts: list[StepMemory]) -> StepMemory:
   """Parts run one after another: their outputs add up, their temporaries do not."""
   if not parts:
     return StepMemory(0, 0)
-  return StepMemory(temp=max(p.temp for p in parts), output=sum(p.output for p in parts))
+  return StepMemory(temp=max(p.temp for p in parts), output=sum(p.output for p in parts),
+                    library=max(p.library for p in parts))

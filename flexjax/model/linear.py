@@ -52,8 +52,8 @@ def tile_rows(rows: int, cols: int) -> int:
 def library_options() -> dict[str, object]:
   """XLA:CPU's compiler options for programs of LIBRARY_ROWS product rows or more: matrix
   products through oneDNN (on the AVX-512 CPU, an opt-1.3b prefill layer of 8 x 512 1929 ->
-  1706 ms, 32 x 512 7981 -> 6534 ms). oneDNN packs each matrix it reads for as long as the
-  product runs: steps.Steps.library_scratch."""
+  1706 ms, 32 x 512 7981 -> 6534 ms). oneDNN packs the matrix a product reads for as long as
+  the product runs: flexjax/library_scratch.py counts it."""
   return {'xla_cpu_use_onednn': True,
           'xla_cpu_experimental_onednn_fusion_type': 'LIBRARY_FUSION_TYPE_DOT'}
 
