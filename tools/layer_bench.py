@@ -35,6 +35,7 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
   """Records of every timed case (see the module doc)."""
   import jax
 
+  from flexjax.cost_model import layer_matmul_params
   from flexjax.model import attention
   from flexjax.model import params as params_lib
   from flexjax.policy import Policy
@@ -49,8 +50,7 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
                          device)
   attend = jax.jit(functools.partial(attention.attend_decode, cfg=cfg))
   prefill = jax.jit(functools.partial(attention.prefill_attend, cfg=cfg))
-  mm_flops = 2 * sum(int(np.prod(shape)) for shape in params_lib.flatten(
-      cfg.layer_shapes()).values() if len(shape) == 2)
+  mm_flops = 2 * layer_matmul_params(cfg)
   out = []
   for b in rows:
     steps = Steps(cfg, Policy(gpu_batch_size=b), storage_dtype='float16',
