@@ -179,8 +179,10 @@ class Steps:
 
   def prompt_forms(self) -> tuple[int, ...]:
     """The product rows from which a prompt step's products take another form: the cast matrix
-    (linear.CAST_ALL_ROWS) and, on a CPU backend, oneDNN (linear.LIBRARY_ROWS)."""
-    return (linear.CAST_ALL_ROWS, linear.LIBRARY_ROWS) if self.library else (
+    (linear.CAST_ALL_ROWS) and, on a CPU backend, from linear.LIBRARY_ROWS, oneDNN's products
+    in float32 and XLA:CPU's YNNPACK graph fusions in other dtypes (their tensors are
+    flexjax/library_scratch.py's; none at 3584 rows, from 4096 on)."""
+    return (linear.CAST_ALL_ROWS, linear.LIBRARY_ROWS) if self.device.platform == 'cpu' else (
         linear.CAST_ALL_ROWS,)
 
   def keep(self, total_len: int) -> int | None:
