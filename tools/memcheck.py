@@ -50,6 +50,11 @@ CASES: dict[str, tuple[str, ...]] = {
     # prompt steps of linear.LIBRARY_ROWS rows: oneDNN's products on a CPU backend
     'prefill_library': ('--model=opt-125m', '--prompt_len=512', '--gen_len=4',
                         '--gpu_batch_size=8', '--w_gpu_percent=0', '--w_cpu_percent=100'),
+    # from 4096 rows XLA:CPU's YNNPACK graph fusions keep tensors of their own
+    # (flexjax/library_scratch.py); this step's were missing from the plan before they counted
+    'prefill_bf16_graph': ('--model=opt-1.3b', '--prompt_len=128', '--gen_len=2',
+                           '--gpu_batch_size=32', '--compute_dtype=bfloat16',
+                           '--w_gpu_percent=100'),
     'decode_heavy': ('--model=opt-125m', '--prompt_len=32', '--gen_len=64', '--gpu_batch_size=32',
                      '--num_gpu_batches=2'),
     'opt350m_disk_block': ('--model=opt-350m', '--prompt_len=256', '--gen_len=8',
