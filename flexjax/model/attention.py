@@ -53,7 +53,6 @@ def groups(q: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 PREFILL_ITEMS = 4  # (sequence, KV head) items per call of prefill attention's loop
-SHORT_PROMPT = 256  # prompts up to this long go a pair of sequences per call, heads as they lie
 
 
 def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -61,13 +60,10 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   """Causal attention of whole prompts over themselves, `chunk` query positions at a time (each
   chunk attends only to the positions up to its last: about half the work of the full square).
 
-  Long prompts go one (sequence, KV head) item at a time, PREFILL_ITEMS items per call: an
+  The work goes one (sequence, KV head) item at a time, PREFILL_ITEMS items per call: an
   item's scores stay in the core's caches through the softmax and the product with the values,
   where scores of every sequence and head at once go through memory (XLA:CPU, opt-1.3b, 8
   prompts of 512: 267 -> 181 ms per layer, of which 54 ms are the transposes to head-major).
-  Prompts of SHORT_PROMPT or fewer go two sequences per call with their heads where they lie,
-  which saves those transposes (opt-1.3b: 32 prompts of 128 130 -> 96 ms, 16 of 256 180 -> 137,
-  64 of 64 122 -> 84; SmolLM2 32 of 128 23.3 -> 18.5-21; at 512 it is slower, 463 -> 550).
 
   Args:
     q: [b, s, q_dim] (scaled); k, v: [b, s, kv_dim] in q's dtype.
@@ -80,9 +76,6 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   b, s = q.shape[:2]
   kv, g, d = cfg.kv_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim
   chunk = chunk or prefill_chunk(s)
-
-  if s <= SHORT_PROMPT:
-    return _attend_sequences(q, k, v, mask, cfg, chunk)
   # Head-major once per layer: an item's products read contiguous [positions, head_dim] blocks.
   qi = groups(q, cfg).transpose(0, 2, 3, 1, 4).reshape(b * kv, g, s, d)
   ki = heads(k, kv, cfg).transpose(0, 2, 1, 3).reshape(b * kv, s, d)
@@ -105,39 +98,10 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return out.reshape(b, kv, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, -1)
 
 
-def _attend_sequences(q, k, v, mask, cfg: ModelConfig, chunk: int) -> jax.Array:
-  """prefill_attend for short prompts: two sequences per loop step (one where the count is
-  odd), every head at once, q, k, v read as [s, heads, head_dim] where they lie."""
-  b, s = q.shape[:2]
-  kv, g, d = cfg.kv_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim
-  per = 2 if b % 2 == 0 else 1
-  qs = q.reshape(b // per, per, s, kv, g, d)
-  ks, vs = (a.reshape(b // per, per, s, kv, d) for a in (k, v))
-  ms = mask.reshape(b // per, per, s)
-
-  def pair(args):
-    q1, k1, v1, m1 = args  # [p, s, kv, g, d], [p, s, kv, d] twice, [p, s]
-    outs = []
-    for start in range(0, s, chunk):
-      end = min(s, start + chunk)
-      causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]  # [q, t]
-      allowed = (causal[None] & m1[:, None, :end])[:, None, None]  # [p, 1, 1, q, t]
-      scores = jnp.einsum('pqkgd,ptkd->pkgqt', q1[:, start:end], k1[:, :end])
-      probs = masked_softmax(scores, allowed, axis=-1).astype(q.dtype)
-      outs.append(jnp.einsum('pkgqt,ptkd->pqkgd', probs, v1[:, :end]))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [p, s, kv, g, d]
-
-  return jax.lax.map(pair, (qs, ks, vs, ms)).reshape(b, s, -1)
-
-
 def prefill_chunk(s: int) -> int:
-  """Query positions per chunk of a prompt of s. Short prompts (SHORT_PROMPT or fewer, two
-  sequences per call): a quarter of the prompt, at least 32 (opt-1.3b on XLA:CPU, 32 x 128: 96
-  ms against 110 at 64; 16 x 256: 137 against 173 at 32). Longer ones: 64 (the fastest or
-  within 10% of it for 8-32 prompts of 512), more for long prompts to keep the program at <= 16
-  chunks."""
-  if s <= SHORT_PROMPT:
-    return max(32, s // 4)
+  """Query positions per chunk of a prompt of s: 64 (on XLA:CPU the fastest or within 10% of
+  it for 8-32 prompts of 128 and 512 tokens), more for long prompts to keep the program at
+  <= 16 chunks."""
   return max(64, -(-s // 16))
 
 
