@@ -29,7 +29,8 @@ import re
 ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
             'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8}
 ONEDNN_WORKSPACE = 16 << 20  # oneDNN's buffers beside the packed matrices (module doc)
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]\S*\s+([\w\-]+)\((.*)$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*'  # name = dtype[dims] op(rest
+                          r'(\w+)\[([\d,]*)\]\S*\s+([\w\-]+)\((.*)$')
 _HEADER = re.compile(r'^%([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$')
 _LIBRARY = re.compile(r'calls=%([\w.\-]+).*"kind":"__(ynn|onednn)_fusion"')
 _OPERAND = re.compile(r'%([\w.\-]+)')
