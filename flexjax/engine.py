@@ -11,6 +11,7 @@ import numpy as np
 
 from flexjax import diskio
 from flexjax import hardware
+from flexjax import memwatch
 from flexjax import stream as stream_lib
 from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
@@ -181,6 +182,10 @@ class Engine:
                                   progress=progress)
       self._stages = place_weights(weights, policy, self.sizes, self.storage, self.steps,
                                    self.layout)
+      # what placing freed (reads, casts, dummy values) leaves the process: glibc would keep it
+      # resident, outside the plan (bfloat16 opt-1.3b 24 x 128: 180 MiB, and a peak 0.9% over
+      # its plan)
+      memwatch.return_free_memory()
     except BaseException:
       self.close()
       raise
