@@ -326,7 +326,8 @@ class Engine:
     mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
                   read_ahead=read_ahead and self._reads_ahead, clock=clock, stats=self.stats,
                   stage_names=plan_lib.stage_names(self.config),
-                  device_is_host=self.planner.device_is_host)
+                  device_is_host=self.planner.device_is_host,
+                  prompt_ids=policy.gpu_batch_size * tokens.shape[1])
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
     batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
                           mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
@@ -367,7 +368,7 @@ class Engine:
     mover = Mover(self.storage, self.steps, self._stages, self.policy, reader=self.reader,
                   clock=Clock(False),
                   stats=self.stats, stage_names=plan_lib.stage_names(self.config),
-                  device_is_host=self.planner.device_is_host)
+                  device_is_host=self.planner.device_is_host, prompt_ids=tokens.size)
     put = lambda a: jax.device_put(np.array(a, copy=True), self.device)
     x = None
     for index in range(len(self._stages)):
@@ -375,7 +376,9 @@ class Engine:
       params = loaded.params
       try:
         if index == 0:
-          x = self.steps.embed(params, put(tokens), put(model.positions_from_mask(mask)))
+          table, ids = mover.token_rows(params['tokens'], tokens)
+          x = self.steps.embed({**params, 'tokens': table}, put(ids),
+                               put(model.positions_from_mask(mask)))
         elif index == len(self._stages) - 1:
           x = model.head(params, x, cfg=self.config, compute_dtype=self.steps.compute)
         else:

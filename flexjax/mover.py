@@ -18,6 +18,7 @@ import numpy as np
 from flexjax import diskio
 from flexjax import plan as plan_lib
 from flexjax import quant as quant_lib
+from flexjax import stream as stream_lib
 from flexjax.model import params as params_lib
 from flexjax.placement import Placed
 from flexjax.policy import Policy
@@ -147,16 +148,22 @@ class Mover:
 
   def __init__(self, storage: Storage, steps: Steps, stages: list[Placed], policy: Policy, *,
                reader: diskio.Reader, clock: Clock, stats: dict, stage_names: list[str],
-               device_is_host: bool, read_ahead: bool = False):
+               device_is_host: bool, prompt_ids: int, read_ahead: bool = False):
+    """prompt_ids: ids a prompt step of the block looks up (GPU batch x prompt length)."""
     self.storage, self.steps, self.stages = storage, steps, stages
     self.policy, self.clock, self.stats = policy, clock, stats
     self.stage_names = stage_names
     self.device_is_host = device_is_host
     self.reader = reader
     self.reads_ahead = read_ahead  # the plan holds a second staging buffer for it
+    # slots whose rows the steps read as they need them (plan.gathers_rows), per stage
+    self.gathered = [{slot for slot, _ in stage
+                      if plan_lib.gathers_rows(stage_names[i], slot, prompt_ids)}
+                     for i, stage in enumerate(stages)]
     self.staging_bytes = max(
-        (sum(value_bytes(v).padded for slot, v in stage if slot.tier == 'disk')
-         for stage in stages), default=0)
+        (sum(value_bytes(v).padded for slot, v in stage
+             if slot.tier == 'disk' and slot not in self.gathered[i])
+         for i, stage in enumerate(stages)), default=0)
     self.staging = BufferPool()
     # On a CPU backend the arrays split tensors are joined into, kept within the plan's joins
     # of the stages loaded at once.
@@ -200,7 +207,7 @@ class Mover:
   def _start_reads(self, index: int) -> '_StageRead | None':
     """The stage's disk-tier tensors read into one aligned staging buffer by the I/O threads."""
     tensors = [(slot, value_bytes(value)) for slot, value in self.stages[index]
-               if slot.tier == 'disk']
+               if slot.tier == 'disk' and slot not in self.gathered[index]]
     if not tensors:
       return None
     nbytes = sum(t.padded for _, t in tensors)
@@ -237,7 +244,9 @@ class Mover:
       if after is not None:
         jax.block_until_ready(after)
       for slot, value in self.stages[index]:
-        if slot.tier != 'device':
+        if slot in self.gathered[index]:  # read row by row at its step (token_rows)
+          pass
+        elif slot.tier != 'device':
           loaded += self._reserve_loaded(slot.loaded + slot.join)
           value = self._load_tensor(slot, value, read)
         parts.setdefault(slot.path, []).append((slot, value))
@@ -253,6 +262,36 @@ class Mover:
     if read is not None and self.device_is_host:
       buffers.append((self.staging, read.buffer))
     return Loaded(params_lib.unflatten(tree), loaded, tuple(buffers))
+
+  def token_rows(self, table, ids: np.ndarray) -> tuple:
+    """The embedding step's token table (an array or its row parts) and ids [b, s], with every
+    part left on disk to be gathered (plan.gathers_rows: a stream tensor) replaced by the rows
+    the ids look up there, read now, [b * s, dim] on the device (zeros where an id lies in
+    another part), and the ids renumbered to index the new parts. Unchanged without such
+    parts."""
+    parts = table if isinstance(table, tuple) else (table,)
+    if not any(isinstance(p, stream_lib.StreamTensor) for p in parts):
+      return table, ids
+    flat = ids.reshape(-1)
+    new_parts, new_ids = [], np.zeros_like(flat)
+    first = new_first = 0
+    for part in parts:
+      rows = part.shape[0]
+      inside = (flat >= first) & (flat < first + rows)
+      if isinstance(part, stream_lib.StreamTensor):
+        with self.clock.part('weight_read'):
+          looked_up, nbytes = part.gather(np.where(inside, flat - first, -1), self.reader)
+        self.stats['bytes_moved']['weights_disk'] += nbytes
+        self.stats['disk_weights_by_phase'][self.clock.phase] += nbytes
+        new_ids[inside] = new_first + np.flatnonzero(inside)
+        part, rows_now = jax.device_put(looked_up, self.storage.device), len(flat)
+      else:
+        new_ids[inside] = flat[inside] - first + new_first
+        rows_now = rows
+      new_parts.append(part)
+      first += rows
+      new_first += rows_now
+    return tuple(new_parts), new_ids.reshape(ids.shape)
 
   def _reserve_loaded(self, nbytes: int) -> int:
     self.storage.reserve('device', nbytes, 'weights.loaded')

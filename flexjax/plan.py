@@ -561,11 +561,22 @@ def _as_linear(value) -> Linear:
 
 
 # ---- compiled working memory --------------------------------------------------------------------
+def gathers_rows(stage: str, slot: TensorSlot, prompt_ids: int) -> bool:
+  """Whether the steps of a run read only the rows they look up of this slot instead of
+  loading it whole: the embedding stage's token table where it lies on disk unpacked, when a
+  prompt step looks up fewer ids (prompt_ids: GPU batch x prompt length) than it has rows. The
+  mover then reads those rows for each embedding step (Mover.token_rows), a few KiB per
+  sequence, where the whole part crossed the disk once per token before."""
+  return (params_lib.used_in_parts(stage, slot.path) and slot.tier == 'disk'
+          and not slot.packed and prompt_ids < slot.shape[0])
+
+
 def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, compute_dtype: str,
-                storage_dtype: str) -> dict[str, dict]:
+                storage_dtype: str, *, prompt_ids: int, step_ids: int) -> dict[str, dict]:
   """Loaded parameter trees of the embed, layer and head steps as shape structs: device-resident
   quantized tensors stay packed (dequantized inside the step), other quantized ones arrive
-  dequantized into the compute dtype, the rest as stored."""
+  dequantized into the compute dtype, the rest as stored; token-table rows read for the step
+  (gathers_rows) as [step_ids, embed_dim]."""
   dtype = np_dtype(compute_dtype)
   storage = np_dtype(storage_dtype)
   out = {}
@@ -573,7 +584,10 @@ def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, compute_dtyp
     flat, row_parts = {}, {}
     for slot in stage_layout(cfg, policy, sizes, stage):
       shape = slot.full_shape  # a tensor split across tiers is joined when loaded
-      if slot.packed and slot.tier == 'device' and slot.whole:
+      if gathers_rows(stage, slot, prompt_ids):
+        row_parts.setdefault(slot.path, []).append(
+            jax.ShapeDtypeStruct((step_ids, *slot.shape[1:]), storage))
+      elif slot.packed and slot.tier == 'device' and slot.whole:
         data = jax.ShapeDtypeStruct((*shape[:-1], policy.quant.row_bytes(shape[-1])), np.uint8)
         flat[slot.path] = Packed(data, shape[-1], policy.quant)
       elif params_lib.used_in_parts(stage, slot.path) and not slot.whole:
@@ -714,7 +728,8 @@ class Planner:
            largest_tensor)
     if key not in self._working:
       working = self.steps(policy).working_memory(
-          params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes()),
+          params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes(),
+                             prompt_ids=rows * prompt_len, step_ids=rows * prompt_len),
           geom=geom, temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
           largest_tensor=largest_tensor)
       if not self.library_runs:  # XLA:CPU's library fusions do not run on the target
@@ -741,7 +756,9 @@ class Planner:
     key = (_approximations(policy), geom, temperature, top_p, loads)
     if key not in self._compiled_rest:
       self.steps(policy).compile_rest(
-          params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes()),
+          params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes(),
+                             prompt_ids=policy.gpu_batch_size * prompt_len,
+                             step_ids=policy.gpu_batch_size),
           geom=geom, temperature=temperature, top_p=top_p, loads=loads)
       self._compiled_rest.add(key)
 

@@ -26,6 +26,7 @@ from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
 
 FORMAT = 'flexjax-stream-v3'
+ROW_GAP = 16 << 10  # rows gathered from a tensor this close are read in one request
 INDEX = 'index.json'
 
 
@@ -67,6 +68,40 @@ class StreamTensor:
     buffer = diskio.aligned_buffer(self.padded)
     self.file.read_into(memoryview(buffer), self.start)
     return self.view(buffer)
+
+  def gather(self, rows: np.ndarray, reader: diskio.Reader) -> tuple[np.ndarray, int]:
+    """Rows `rows` ([n] ints, any order and repeats; those outside [0, shape[0]) give zeros)
+    as a fresh [n, ...] array, reading only the aligned blocks that hold them: nearby rows
+    (under ROW_GAP bytes apart) in one request, the requests on the reader's threads.
+    Returns (the rows, bytes read)."""
+    row = self.nbytes // self.shape[0]
+    out = np.zeros((len(rows), *self.shape[1:]), self.dtype)
+    wanted = np.unique(rows[(rows >= 0) & (rows < self.shape[0])])
+    if not len(wanted):
+      return out, 0
+    starts = self.offset + wanted * row
+    first = starts - starts % diskio.BLOCK
+    ends = -(-(starts + row) // diskio.BLOCK) * diskio.BLOCK
+    # runs of rows whose blocks lie within ROW_GAP of each other are read as one span
+    breaks = np.flatnonzero(first[1:] > ends[:-1] + ROW_GAP) + 1
+    spans = [(int(first[a]), int(ends[b - 1]))
+             for a, b in zip(np.r_[0, breaks], np.r_[breaks, len(wanted)])]
+    buffer = diskio.aligned_buffer(sum(end - start for start, end in spans))
+    futures, at, where = [], 0, {}
+    for start, end in spans:
+      futures += reader.read(self.file, start, buffer[at:at + end - start])
+      where[start] = at
+      at += end - start
+    diskio.wait(futures)
+    span_of = np.searchsorted([s for s, _ in spans], first, side='right') - 1
+    base = np.array([where[spans[i][0]] - spans[i][0] for i in span_of]) + starts
+    flat = buffer.view(np.uint8)
+    found = np.searchsorted(wanted, rows.clip(0, self.shape[0] - 1))
+    inside = (rows >= 0) & (rows < self.shape[0])
+    for j in np.flatnonzero(inside):
+      at = base[found[j]]
+      out[j] = flat[at:at + row].view(self.dtype).reshape(self.shape[1:])
+    return out, len(buffer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,6 +114,14 @@ def test_embedding_split_across_tiers_is_used_in_parts_not_joined():
   assert all(s.join == 0 for s in slots['embed'])
   assert sum(s.join for s in slots['head']) > 0
   assert any(s.join > 0 for s in plan_lib.stage_layout(cfg, policy, SIZES, 'layer_000'))
-  specs = plan_lib.param_specs(cfg, policy, SIZES, 'float32', 'float16')
+  # prompt steps of more ids than the disk part has rows load it whole
+  specs = plan_lib.param_specs(cfg, policy, SIZES, 'float32', 'float16',
+                               prompt_ids=cfg.vocab_size, step_ids=1)
   assert [p.shape for p in specs['embed']['tokens']] == [s.shape for s in slots['embed']]
+  assert specs['head']['tokens'].shape == cfg.tokens_shape()
+  # fewer: the step gets the rows its ids look up there (the head still loads the table)
+  specs = plan_lib.param_specs(cfg, policy, SIZES, 'float32', 'float16', prompt_ids=8,
+                               step_ids=3)
+  assert [p.shape for p in specs['embed']['tokens']] == [
+      s.shape for s in slots['embed'][:2]] + [(3, *cfg.tokens_shape()[1:])]
   assert specs['head']['tokens'].shape == cfg.tokens_shape()
