@@ -27,6 +27,8 @@ from flexjax.weights import WeightSource
 __all__ = ['BREAKDOWN_PARTS', 'Engine', 'GenerationConfig', 'GenerationResult', 'pad_prompts']
 
 
+ROW_READERS = 8  # threads reading the token rows of embedding steps
+
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
   """What to generate: length and sampling. (How to batch it is the Policy's business.)"""
@@ -170,6 +172,9 @@ class Engine:
                            host_memory=self.host_memory)
     self.stats = _new_stats(self.config)
     self.reader = diskio.Reader(io_threads)
+    # token rows an embedding step reads (Mover.token_rows): threads of their own, so these
+    # small reads do not queue behind the stages' reads under way
+    self.row_reader = diskio.Reader(ROW_READERS)
     self.layout: stream_lib.StreamLayout | None = None
     try:
       # Disk-tier weights are read where the layout holds them; compressed weights are packed
@@ -200,6 +205,7 @@ class Engine:
     """Removes the offload folder; closes the weight files."""
     self.storage.close()
     self.reader.close()
+    self.row_reader.close()
     if self.layout is not None:
       self.layout.close()
 
@@ -324,6 +330,7 @@ class Engine:
                  max_steps, return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
     """Runs one block through the schedule. Returns its tokens, logits, timings."""
     mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
+                  row_reader=self.row_reader,
                   read_ahead=read_ahead and self._reads_ahead, clock=clock, stats=self.stats,
                   stage_names=plan_lib.stage_names(self.config),
                   device_is_host=self.planner.device_is_host,
@@ -366,6 +373,7 @@ class Engine:
     self._check_length(tokens.shape[1])
     self.stats = _new_stats(self.config)
     mover = Mover(self.storage, self.steps, self._stages, self.policy, reader=self.reader,
+                  row_reader=self.row_reader,
                   clock=Clock(False),
                   stats=self.stats, stage_names=plan_lib.stage_names(self.config),
                   device_is_host=self.planner.device_is_host, prompt_ids=tokens.size)

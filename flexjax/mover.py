@@ -147,14 +147,16 @@ class Mover:
   """
 
   def __init__(self, storage: Storage, steps: Steps, stages: list[Placed], policy: Policy, *,
-               reader: diskio.Reader, clock: Clock, stats: dict, stage_names: list[str],
-               device_is_host: bool, prompt_ids: int, read_ahead: bool = False):
-    """prompt_ids: ids a prompt step of the block looks up (GPU batch x prompt length)."""
+               reader: diskio.Reader, row_reader: diskio.Reader, clock: Clock, stats: dict,
+               stage_names: list[str], device_is_host: bool, prompt_ids: int,
+               read_ahead: bool = False):
+    """reader: the stages' disk reads; row_reader: token rows (token_rows); prompt_ids: ids a
+    prompt step of the block looks up (GPU batch x prompt length)."""
     self.storage, self.steps, self.stages = storage, steps, stages
     self.policy, self.clock, self.stats = policy, clock, stats
     self.stage_names = stage_names
     self.device_is_host = device_is_host
-    self.reader = reader
+    self.reader, self.row_reader = reader, row_reader
     self.reads_ahead = read_ahead  # the plan holds a second staging buffer for it
     # slots whose rows the steps read as they need them (plan.gathers_rows), per stage
     self.gathered = [{slot for slot, _ in stage
@@ -280,7 +282,7 @@ class Mover:
       inside = (flat >= first) & (flat < first + rows)
       if isinstance(part, stream_lib.StreamTensor):
         with self.clock.part('weight_read'):
-          looked_up, nbytes = part.gather(np.where(inside, flat - first, -1), self.reader)
+          looked_up, nbytes = part.gather(np.where(inside, flat - first, -1), self.row_reader)
         self.stats['bytes_moved']['weights_disk'] += nbytes
         self.stats['disk_weights_by_phase'][self.clock.phase] += nbytes
         new_ids[inside] = new_first + np.flatnonzero(inside)
