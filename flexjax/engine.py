@@ -29,6 +29,7 @@ __all__ = ['BREAKDOWN_PARTS', 'Engine', 'GenerationConfig', 'GenerationResult', 
 
 ROW_READERS = 8  # threads reading the token rows of embedding steps
 
+
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
   """What to generate: length and sampling. (How to batch it is the Policy's business.)"""

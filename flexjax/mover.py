@@ -246,9 +246,8 @@ class Mover:
       if after is not None:
         jax.block_until_ready(after)
       for slot, value in self.stages[index]:
-        if slot in self.gathered[index]:  # read row by row at its step (token_rows)
-          pass
-        elif slot.tier != 'device':
+        # a gathered slot stays on disk: its step reads the rows it needs (token_rows)
+        if slot.tier != 'device' and slot not in self.gathered[index]:
           loaded += self._reserve_loaded(slot.loaded + slot.join)
           value = self._load_tensor(slot, value, read)
         parts.setdefault(slot.path, []).append((slot, value))
