@@ -89,12 +89,6 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
             for stage in ('embed', 'layer_000', 'head')}  # every decoder layer is alike
   w_layer = stored['layer_000']
   w_ends = stored['embed'] + stored['head']
-  # what of them a pass reads from disk: not the embedding's token table where its steps read
-  # only the rows they look up there (plan.gathers_rows)
-  on_disk = dataclasses.replace(policy, w_gpu_percent=0, w_cpu_percent=0)
-  w_ends_disk = w_ends - sum(
-      slot.stored for slot in plan_lib.stage_layout(cfg, on_disk, sizes, 'embed')
-      if plan_lib.gathers_rows('embed', slot, policy.gpu_batch_size * prompt_len))
   k_tok = plan_lib.cache_row_bytes(cfg, policy, sizes)  # K (or V) of one token, one layer
   read_v = policy.attn_sparsity if policy.attn_sparsity < 1 else 1.0
   kv_read_tok = k_tok * (1 + read_v)  # bytes read per attended position (K and kept V)
@@ -138,8 +132,8 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   }
   head_flops = 2 * cfg.embed_dim * cfg.vocab_size
   ends = lambda rows, mm: {
-      'ctog': term(wc=w_ends / w_put_bw, wd=w_ends_disk / w_put_bw),
-      'dtoc': term(wd=w_ends_disk / hw.dtoc_bw),
+      'ctog': term(wc=w_ends / w_put_bw, wd=w_ends / w_put_bw),
+      'dtoc': term(wd=w_ends / hw.dtoc_bw),
       'compute': term(rows * head_flops / mm + 2 * step),  # embedding and head stages
   }
   if planner is None:
