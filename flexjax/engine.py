@@ -385,9 +385,8 @@ class Engine:
       params = loaded.params
       try:
         if index == 0:
-          table, ids = mover.token_rows(params['tokens'], tokens)
-          x = self.steps.embed({**params, 'tokens': table}, put(ids),
-                               put(model.positions_from_mask(mask)))
+          params, ids = mover.token_rows(params, tokens)
+          x = self.steps.embed(params, put(ids), put(model.positions_from_mask(mask)))
         elif index == len(self._stages) - 1:
           x = model.head(params, x, cfg=self.config, compute_dtype=self.steps.compute)
         else:

@@ -214,8 +214,8 @@ class Executor:
       else:
         ids = batch.out[:, token - 1:token]
         positions = (batch.positions + token - 1)[:, None]
-      tokens, ids = mover.token_rows(params['tokens'], np.asarray(ids))
-      y = steps.embed({**params, 'tokens': tokens}, self._put(ids), self._put(positions))
+      params, ids = mover.token_rows(params, ids)
+      y = steps.embed(params, self._put(ids), self._put(positions))
       mover.release(inputs)
       mover.store_hidden(batch.hidden, y)
       return y, None

@@ -264,15 +264,16 @@ class Mover:
       buffers.append((self.staging, read.buffer))
     return Loaded(params_lib.unflatten(tree), loaded, tuple(buffers))
 
-  def token_rows(self, table, ids: np.ndarray) -> tuple:
-    """The embedding step's token table (an array or its row parts) and ids [b, s], with every
-    part left on disk to be gathered (plan.gathers_rows: a stream tensor) replaced by the rows
-    the ids look up there, read now, [b * s, dim] on the device (zeros where an id lies in
-    another part), and the ids renumbered to index the new parts. Unchanged without such
-    parts."""
+  def token_rows(self, params: dict, ids: np.ndarray) -> tuple[dict, np.ndarray]:
+    """The embedding step's parameters and ids [b, s], with every part of its token table
+    (an array or its row parts) left on disk to be gathered (plan.gathers_rows: a stream
+    tensor) replaced by the rows the ids look up there, read now, [b * s, dim] on the device
+    (zeros where an id lies in another part), and the ids renumbered to index the new parts.
+    Unchanged without such parts."""
+    table = params['tokens']
     parts = table if isinstance(table, tuple) else (table,)
     if not any(isinstance(p, stream_lib.StreamTensor) for p in parts):
-      return table, ids
+      return params, ids
     flat = ids.reshape(-1)
     new_parts, new_ids = [], np.zeros_like(flat)
     first = new_first = 0
@@ -292,7 +293,7 @@ class Mover:
       new_parts.append(part)
       first += rows
       new_first += rows_now
-    return tuple(new_parts), new_ids.reshape(ids.shape)
+    return {**params, 'tokens': tuple(new_parts)}, new_ids.reshape(ids.shape)
 
   def _reserve_loaded(self, nbytes: int) -> int:
     self.storage.reserve('device', nbytes, 'weights.loaded')

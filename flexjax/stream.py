@@ -76,31 +76,25 @@ class StreamTensor:
     Returns (the rows, bytes read)."""
     row = self.nbytes // self.shape[0]
     out = np.zeros((len(rows), *self.shape[1:]), self.dtype)
-    wanted = np.unique(rows[(rows >= 0) & (rows < self.shape[0])])
+    inside = (rows >= 0) & (rows < self.shape[0])
+    wanted = np.unique(rows[inside])
     if not len(wanted):
       return out, 0
-    starts = self.offset + wanted * row
+    starts = self.offset + wanted * row  # file offset of each wanted row
     first = starts - starts % diskio.BLOCK
     ends = -(-(starts + row) // diskio.BLOCK) * diskio.BLOCK
     # runs of rows whose blocks lie within ROW_GAP of each other are read as one span
-    breaks = np.flatnonzero(first[1:] > ends[:-1] + ROW_GAP) + 1
-    spans = [(int(first[a]), int(ends[b - 1]))
-             for a, b in zip(np.r_[0, breaks], np.r_[breaks, len(wanted)])]
-    buffer = diskio.aligned_buffer(sum(end - start for start, end in spans))
-    futures, at, where = [], 0, {}
-    for start, end in spans:
-      futures += reader.read(self.file, start, buffer[at:at + end - start])
-      where[start] = at
-      at += end - start
+    cuts = np.flatnonzero(first[1:] > ends[:-1] + ROW_GAP) + 1
+    span_start, span_end = first[np.r_[0, cuts]], ends[np.r_[cuts, len(wanted)] - 1]
+    at = np.r_[0, np.cumsum(span_end - span_start)]  # where each span lies in the buffer
+    buffer = diskio.aligned_buffer(int(at[-1]))
+    futures = [f for start, end, a in zip(span_start, span_end, at)
+               for f in reader.read(self.file, int(start), buffer[a:a + end - start])]
     diskio.wait(futures)
-    span_of = np.searchsorted([s for s, _ in spans], first, side='right') - 1
-    base = np.array([where[spans[i][0]] - spans[i][0] for i in span_of]) + starts
-    flat = buffer.view(np.uint8)
-    found = np.searchsorted(wanted, rows.clip(0, self.shape[0] - 1))
-    inside = (rows >= 0) & (rows < self.shape[0])
-    for j in np.flatnonzero(inside):
-      at = base[found[j]]
-      out[j] = flat[at:at + row].view(self.dtype).reshape(self.shape[1:])
+    span_of = np.searchsorted(span_start, first, side='right') - 1
+    in_buffer = at[span_of] + starts - span_start[span_of]  # of each wanted row
+    found = in_buffer[np.searchsorted(wanted, rows[inside])]
+    out.view(np.uint8).reshape(len(rows), row)[inside] = buffer[found[:, None] + np.arange(row)]
     return out, len(buffer)
 
 
