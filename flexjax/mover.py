@@ -158,14 +158,13 @@ class Mover:
     self.device_is_host = device_is_host
     self.reader, self.row_reader = reader, row_reader
     self.reads_ahead = read_ahead  # the plan holds a second staging buffer for it
-    # slots whose rows the steps read as they need them (plan.gathers_rows), per stage
-    self.gathered = [{slot for slot, _ in stage
-                      if plan_lib.gathers_rows(stage_names[i], slot, prompt_ids)}
-                     for i, stage in enumerate(stages)]
-    self.staging_bytes = max(
-        (sum(value_bytes(v).padded for slot, v in stage
-             if slot.tier == 'disk' and slot not in self.gathered[i])
-         for i, stage in enumerate(stages)), default=0)
+    # per stage, the slots a load brings to the device: every one off the device but a part
+    # whose rows the steps read as they need them (plan.gathers_rows, token_rows)
+    self.loads = [{slot for slot, _ in stage if slot.tier != 'device'
+                   and not plan_lib.gathers_rows(stage_names[i], slot, prompt_ids)}
+                  for i, stage in enumerate(stages)]
+    self.staging_bytes = max((sum(t.padded for _, t in self._disk_reads(i))
+                              for i in range(len(stages))), default=0)
     self.staging = BufferPool()
     # On a CPU backend the arrays split tensors are joined into, kept within the plan's joins
     # of the stages loaded at once.
@@ -206,10 +205,14 @@ class Mover:
       if index not in self._reads:
         self._reads[index] = self._start_reads(index)
 
+  def _disk_reads(self, index: int) -> list:
+    """(slot, StreamTensor) of the disk-tier tensors a load of the stage reads."""
+    return [(slot, value_bytes(value)) for slot, value in self.stages[index]
+            if slot.tier == 'disk' and slot in self.loads[index]]
+
   def _start_reads(self, index: int) -> '_StageRead | None':
     """The stage's disk-tier tensors read into one aligned staging buffer by the I/O threads."""
-    tensors = [(slot, value_bytes(value)) for slot, value in self.stages[index]
-               if slot.tier == 'disk' and slot not in self.gathered[index]]
+    tensors = self._disk_reads(index)
     if not tensors:
       return None
     nbytes = sum(t.padded for _, t in tensors)
@@ -246,8 +249,7 @@ class Mover:
       if after is not None:
         jax.block_until_ready(after)
       for slot, value in self.stages[index]:
-        # a gathered slot stays on disk: its step reads the rows it needs (token_rows)
-        if slot.tier != 'device' and slot not in self.gathered[index]:
+        if slot in self.loads[index]:
           loaded += self._reserve_loaded(slot.loaded + slot.join)
           value = self._load_tensor(slot, value, read)
         parts.setdefault(slot.path, []).append((slot, value))
