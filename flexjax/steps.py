@@ -20,6 +20,7 @@ from flexjax import quant as quant_lib
 from flexjax.config import ModelConfig, np_dtype
 from flexjax.library_scratch import scratch_bytes
 from flexjax.model import attention, linear
+from flexjax.model import params as params_lib
 from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
 from flexjax.policy import Policy
@@ -509,3 +510,20 @@ def _combine(parts: list[StepMemory]) -> StepMemory:
     return StepMemory(0, 0)
   return StepMemory(temp=max(p.temp for p in parts), output=sum(p.output for p in parts),
                     library=max(p.library for p in parts))
+
+
+# ---- one layer on its own -----------------------------------------------------------------------
+def one_layer(cfg: ModelConfig, *, rows: int, prompt_len: int, total_len: int | None = None,
+              compute_dtype: str = 'float32', device: jax.Device) -> tuple[Steps, Geometry, dict]:
+  """(steps of `rows` sequences at a time, weights stored float16 and the cache in the compute
+  dtype; the geometry of a prompt step that keeps no cache, total_len positions (default
+  prompt_len); layer 0's dummy weights on `device`): one layer step as a run calls it, to time
+  or measure it alone."""
+  steps = Steps(cfg, Policy(gpu_batch_size=rows), storage_dtype='float16',
+                compute_dtype=compute_dtype, cache_dtype=compute_dtype, device=device,
+                cpu=device)
+  geom = Geometry(rows=rows, device_rows=0, cpu_attention=False, prompt_len=prompt_len,
+                  total_len=total_len or prompt_len)
+  layer = jax.device_put(params_lib.dummy_stage(cfg, params_lib.layer_name(0), np.float16, 0),
+                         device)
+  return steps, geom, layer

@@ -118,20 +118,14 @@ def test_long_prompt_steps_run_their_products_in_onednn_and_match_xlas():
   import dataclasses
 
   from flexjax.config import ModelConfig
-  from flexjax.model import params as params_lib
-  from flexjax.policy import Policy
-  from flexjax.steps import Geometry, Steps
+  from flexjax.steps import one_layer
 
   cfg = ModelConfig(name='wide', num_layers=1, hidden_size=256, num_heads=4, ffn_dim=1024,
                     vocab_size=100, max_positions=1024)
-  device = jax.devices('cpu')[0]
-  steps = Steps(cfg, Policy(gpu_batch_size=8), storage_dtype='float16', compute_dtype='float32',
-                cache_dtype='float32', device=device, cpu=device)
-  geom = Geometry(rows=8, device_rows=0, cpu_attention=False, prompt_len=512, total_len=515)
+  steps, geom, layer = one_layer(cfg, rows=8, prompt_len=512, total_len=515,
+                                 device=jax.devices('cpu')[0])
   assert 8 * 512 >= linear.LIBRARY_ROWS > 512
   assert steps.uses_library(geom) and not steps.uses_library(dataclasses.replace(geom, rows=1))
-  layer = jax.device_put(params_lib.dummy_stage(cfg, params_lib.layer_name(0), np.float16, 0),
-                         device)
   rng = np.random.default_rng(2)
   x = jnp.asarray(rng.standard_normal((8, 512, cfg.hidden_size)), jnp.float32)
   mask = jnp.asarray(np.arange(512)[None, :] >= np.array([[0], [7], [100], [511]] * 2))

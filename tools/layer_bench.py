@@ -37,24 +37,18 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
 
   from flexjax.cost_model import layer_matmul_params
   from flexjax.model import attention
-  from flexjax.model import params as params_lib
-  from flexjax.policy import Policy
-  from flexjax import steps as steps_lib
-  from flexjax.steps import Steps
+  from flexjax.steps import one_layer
 
   device = jax.devices()[0]
   rng = np.random.default_rng(0)
   put = lambda shape, dtype=np.float32: jax.device_put(
       rng.standard_normal(shape).astype(dtype), device)
-  layer = jax.device_put(params_lib.dummy_stage(cfg, params_lib.layer_name(0), np.float16, 0),
-                         device)
   attend = jax.jit(functools.partial(attention.attend_decode, cfg=cfg))
   prefill = jax.jit(functools.partial(attention.prefill_attend, cfg=cfg))
   mm_flops = 2 * layer_matmul_params(cfg)
   out = []
   for b in rows:
-    steps = Steps(cfg, Policy(gpu_batch_size=b), storage_dtype='float16',
-                  compute_dtype='float32', cache_dtype='float32', device=device, cpu=device)
+    steps, _, layer = one_layer(cfg, rows=b, prompt_len=1, device=device)
     x = put((b, 1, cfg.hidden_size))
     for t in positions:
       q, k, v = put((b, cfg.q_dim)), put((b, cfg.kv_dim)), put((b, cfg.kv_dim))
@@ -81,8 +75,7 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
       out.append({'case': 'prefill_attention', 'rows': b, 'positions': s, 'ms': ms,
                   'gflop_s': attention_flops / ms / 1e6})
       x = put((b, s, cfg.hidden_size))
-      geom = steps_lib.Geometry(rows=b, device_rows=0, cpu_attention=False, prompt_len=s,
-                                total_len=s)
+      geom = one_layer(cfg, rows=b, prompt_len=s, device=device)[1]
       ms = best_ms(lambda: jax.block_until_ready(steps.prefill_step(geom, layer, x, None, mask)),
                    repeats)
       out.append({'case': 'prefill_layer', 'rows': b, 'positions': s, 'ms': ms,

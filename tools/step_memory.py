@@ -29,18 +29,12 @@ def measure(cfg, *, rows: int, prompt_len: int, dtype: str) -> dict[str, Any]:
 
   from flexjax import memwatch
   from flexjax.library_scratch import scratch_bytes
-  from flexjax.model import params as params_lib
-  from flexjax.policy import Policy
-  from flexjax.steps import Geometry, StepMemory, Steps
+  from flexjax.steps import StepMemory, one_layer
 
   device = jax.devices('cpu')[0]
-  steps = Steps(cfg, Policy(gpu_batch_size=rows), storage_dtype='float16', compute_dtype=dtype,
-                cache_dtype=dtype, device=device, cpu=device)
-  geom = Geometry(rows=rows, device_rows=0, cpu_attention=False, prompt_len=prompt_len,
-                  total_len=prompt_len)
+  steps, geom, layer = one_layer(cfg, rows=rows, prompt_len=prompt_len, compute_dtype=dtype,
+                                 device=device)
   onednn = steps.uses_library(geom)
-  layer = jax.device_put(params_lib.dummy_stage(cfg, params_lib.layer_name(0), np.float16, 0),
-                         device)
   x = jax.device_put(np.random.default_rng(0).standard_normal(
       (rows, prompt_len, cfg.hidden_size)).astype(dtype), device)
   mask = jax.device_put(np.ones((rows, prompt_len), bool), device)
