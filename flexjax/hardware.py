@@ -242,7 +242,8 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   from flexjax.model import attention
   from flexjax.model import linear
 
-  sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048)
+  # up to a prompt step's products (linear.LIBRARY_ROWS rows: oneDNN's on a CPU in float32)
+  sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048, linear.LIBRARY_ROWS)
   bar = progress_lib.bar(3 + len(sizes) + 4 + 4, 'measuring', unit='test', show=progress)
 
   device = device or jax.devices()[0]
@@ -280,7 +281,11 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
 
   def matmul_rate(rows, backend):
     a = jax.device_put(np.ones((rows, hidden), compute), backend)
-    f = jax.jit(functools.partial(linear.dense, dtype=compute))
+    # compiled as a prompt step of that many rows is (steps.Steps.uses_library)
+    library = (backend.platform == 'cpu' and compute == jnp.float32
+               and rows >= linear.LIBRARY_ROWS)
+    f = jax.jit(functools.partial(linear.dense, dtype=compute)).lower(a, weights[0]).compile(
+        linear.library_options() if library else None)
     f(a, weights[0]).block_until_ready()
     seconds = best_seconds(lambda: [f(a, w) for w in weights][-1].block_until_ready(),
                            min_total=0.5)
