@@ -75,6 +75,13 @@ class Geometry:
     return self.rows - self.device_rows
 
   @staticmethod
+  def prompt(rows: int, prompt_len: int, total_len: int | None = None) -> 'Geometry':
+    """A prompt step of `rows` sequences that keeps no cache (total_len: prompt_len unless
+    given)."""
+    return Geometry(rows=rows, device_rows=0, cpu_attention=False, prompt_len=prompt_len,
+                    total_len=total_len or prompt_len)
+
+  @staticmethod
   def of(policy: Policy, *, prompt_len: int, gen_len: int) -> 'Geometry':
     return Geometry(rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
                     cpu_attention=policy.cpu_attention, prompt_len=prompt_len,
@@ -513,17 +520,13 @@ def _combine(parts: list[StepMemory]) -> StepMemory:
 
 
 # ---- one layer on its own -----------------------------------------------------------------------
-def one_layer(cfg: ModelConfig, *, rows: int, prompt_len: int, total_len: int | None = None,
-              compute_dtype: str = 'float32', device: jax.Device) -> tuple[Steps, Geometry, dict]:
-  """(steps of `rows` sequences at a time, weights stored float16 and the cache in the compute
-  dtype; the geometry of a prompt step that keeps no cache, total_len positions (default
-  prompt_len); layer 0's dummy weights on `device`): one layer step as a run calls it, to time
-  or measure it alone."""
-  steps = Steps(cfg, Policy(gpu_batch_size=rows), storage_dtype='float16',
-                compute_dtype=compute_dtype, cache_dtype=compute_dtype, device=device,
-                cpu=device)
-  geom = Geometry(rows=rows, device_rows=0, cpu_attention=False, prompt_len=prompt_len,
-                  total_len=total_len or prompt_len)
+def one_layer(cfg: ModelConfig, *, compute_dtype: str = 'float32',
+              device: jax.Device) -> tuple[Steps, dict]:
+  """Steps of the default policy (weights stored float16, the cache in the compute dtype) and
+  layer 0's dummy weights on `device`: a layer step as a run calls it, to time or measure it
+  alone (with Geometry.prompt for a prompt step)."""
+  steps = Steps(cfg, Policy(), storage_dtype='float16', compute_dtype=compute_dtype,
+                cache_dtype=compute_dtype, device=device, cpu=device)
   layer = jax.device_put(params_lib.dummy_stage(cfg, params_lib.layer_name(0), np.float16, 0),
                          device)
-  return steps, geom, layer
+  return steps, layer

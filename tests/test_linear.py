@@ -118,12 +118,12 @@ def test_long_prompt_steps_run_their_products_in_onednn_and_match_xlas():
   import dataclasses
 
   from flexjax.config import ModelConfig
-  from flexjax.steps import one_layer
+  from flexjax.steps import Geometry, one_layer
 
   cfg = ModelConfig(name='wide', num_layers=1, hidden_size=256, num_heads=4, ffn_dim=1024,
                     vocab_size=100, max_positions=1024)
-  steps, geom, layer = one_layer(cfg, rows=8, prompt_len=512, total_len=515,
-                                 device=jax.devices('cpu')[0])
+  steps, layer = one_layer(cfg, device=jax.devices('cpu')[0])
+  geom = Geometry.prompt(8, 512, total_len=515)
   assert 8 * 512 >= linear.LIBRARY_ROWS > 512
   assert steps.uses_library(geom) and not steps.uses_library(dataclasses.replace(geom, rows=1))
   rng = np.random.default_rng(2)

@@ -37,18 +37,18 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
 
   from flexjax.cost_model import layer_matmul_params
   from flexjax.model import attention
-  from flexjax.steps import one_layer
+  from flexjax.steps import Geometry, one_layer
 
   device = jax.devices()[0]
   rng = np.random.default_rng(0)
   put = lambda shape, dtype=np.float32: jax.device_put(
       rng.standard_normal(shape).astype(dtype), device)
+  steps, layer = one_layer(cfg, device=device)
   attend = jax.jit(functools.partial(attention.attend_decode, cfg=cfg))
   prefill = jax.jit(functools.partial(attention.prefill_attend, cfg=cfg))
   mm_flops = 2 * layer_matmul_params(cfg)
   out = []
   for b in rows:
-    steps, _, layer = one_layer(cfg, rows=b, prompt_len=1, device=device)
     x = put((b, 1, cfg.hidden_size))
     for t in positions:
       q, k, v = put((b, cfg.q_dim)), put((b, cfg.kv_dim)), put((b, cfg.kv_dim))
@@ -75,8 +75,8 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
       out.append({'case': 'prefill_attention', 'rows': b, 'positions': s, 'ms': ms,
                   'gflop_s': attention_flops / ms / 1e6})
       x = put((b, s, cfg.hidden_size))
-      geom = one_layer(cfg, rows=b, prompt_len=s, device=device)[1]
-      ms = best_ms(lambda: jax.block_until_ready(steps.prefill_step(geom, layer, x, None, mask)),
+      ms = best_ms(lambda: jax.block_until_ready(steps.prefill_step(Geometry.prompt(b, s), layer,
+                                                                    x, None, mask)),
                    repeats)
       out.append({'case': 'prefill_layer', 'rows': b, 'positions': s, 'ms': ms,
                   'gflop_s': (b * s * mm_flops + attention_flops) / ms / 1e6})

@@ -29,12 +29,11 @@ def measure(cfg, *, rows: int, prompt_len: int, dtype: str) -> dict[str, Any]:
 
   from flexjax import memwatch
   from flexjax.library_scratch import scratch_bytes
-  from flexjax.steps import StepMemory, one_layer
+  from flexjax.steps import Geometry, StepMemory, one_layer
 
   device = jax.devices('cpu')[0]
-  steps, geom, layer = one_layer(cfg, rows=rows, prompt_len=prompt_len, compute_dtype=dtype,
-                                 device=device)
-  onednn = steps.uses_library(geom)
+  steps, layer = one_layer(cfg, compute_dtype=dtype, device=device)
+  onednn = steps.uses_library(Geometry.prompt(rows, prompt_len))
   x = jax.device_put(np.random.default_rng(0).standard_normal(
       (rows, prompt_len, cfg.hidden_size)).astype(dtype), device)
   mask = jax.device_put(np.ones((rows, prompt_len), bool), device)
