@@ -281,9 +281,8 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
 
   def matmul_rate(rows, backend):
     a = jax.device_put(np.ones((rows, hidden), compute), backend)
-    # compiled as a prompt step of that many rows is (steps.Steps.uses_library)
-    library = (backend.platform == 'cpu' and compute == jnp.float32
-               and rows >= linear.LIBRARY_ROWS)
+    # compiled as a prompt step of that many rows is
+    library = linear.in_library(backend.platform, compute, rows)
     f = jax.jit(functools.partial(linear.dense, dtype=compute)).lower(a, weights[0]).compile(
         linear.library_options() if library else None)
     f(a, weights[0]).block_until_ready()

@@ -53,7 +53,7 @@ class MemoryWatch:
   def start(cls, device) -> 'MemoryWatch':
     watch = cls(device)
     watch.reset = _reset_peak_rss()
-    watch.rss_base = _status_bytes('VmRSS') or 0
+    watch.rss_base = current_rss()
     stats = watch._device_stats()
     watch.device_base = int(stats.get('bytes_in_use', 0)) if stats else 0
     return watch
@@ -69,6 +69,11 @@ class MemoryWatch:
     if stats is not None:
       out['device'] = max(0, int(stats['peak_bytes_in_use']) - self.device_base)
     return out
+
+
+def current_rss() -> int:
+  """The process's resident bytes now, as the kernel reports them (0 where unreadable)."""
+  return _status_bytes('VmRSS') or 0
 
 
 def return_free_memory() -> None:

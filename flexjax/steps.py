@@ -156,7 +156,7 @@ class Steps:
     self.prefill_layer = prefill(None)
     # On a CPU backend, long float32 prompt steps run their products in oneDNN (`uses_library`;
     # bfloat16 ones ran slower there: opt-1.3b prefill layer of 8 x 512, 897 against 773 ms).
-    self.library = device.platform == 'cpu' and self.compute == np.float32
+    self.library = linear.in_library(device.platform, self.compute, linear.LIBRARY_ROWS)
     self.prefill_layer_library = prefill(linear.library_options()) if self.library else None
     self.decode_layer = jax.jit(functools.partial(decode_layer, **layer_kw),
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
@@ -183,7 +183,7 @@ class Steps:
   def uses_library(self, geom: Geometry) -> bool:
     """Whether the prefill steps of `geom` run their products in oneDNN (XLA:CPU, float32,
     prompt products of linear.LIBRARY_ROWS rows or more)."""
-    return self.library and geom.rows * geom.prompt_len >= linear.LIBRARY_ROWS
+    return linear.in_library(self.device.platform, self.compute, geom.rows * geom.prompt_len)
 
   def prompt_forms(self) -> tuple[int, ...]:
     """The product rows from which a prompt step's products take another form: the cast matrix

@@ -13,20 +13,16 @@ MIB = 2**20
 # Builds an engine (dummy opt-125m weights, all on the device) and prints the RSS a trim of
 # glibc's heaps would still return: the freed memory placement left resident.
 SCRIPT = '''
-import ctypes
+from flexjax import memwatch
 from flexjax.config import preset
 from flexjax.engine import Engine
 from flexjax.policy import Policy
 from flexjax.weights import DummyWeights
 
-def rss():
-  with open('/proc/self/status') as f:
-    return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS:'))
-
 engine = Engine(DummyWeights(preset('opt-125m')), policy=Policy(gpu_batch_size=8))
-before = rss()
-ctypes.CDLL('libc.so.6').malloc_trim(0)
-print(before - rss())
+before = memwatch.current_rss()
+memwatch.return_free_memory()
+print(before - memwatch.current_rss())
 engine.close()
 '''
 

@@ -49,6 +49,12 @@ def tile_rows(rows: int, cols: int) -> int:
   return best if 2 * best >= cap else cap
 
 
+def in_library(platform: str, dtype, rows: int) -> bool:
+  """Whether a prompt step whose products have `rows` rows runs them in oneDNN
+  (library_options): on XLA:CPU, in float32, from LIBRARY_ROWS rows."""
+  return platform == 'cpu' and jnp.dtype(dtype) == jnp.float32 and rows >= LIBRARY_ROWS
+
+
 def library_options() -> dict[str, object]:
   """XLA:CPU's compiler options for programs of LIBRARY_ROWS product rows or more: matrix
   products through oneDNN (on the AVX-512 CPU, an opt-1.3b prefill layer of 8 x 512 1929 ->
