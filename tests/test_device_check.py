@@ -1,0 +1,85 @@
+"""tools/device_check.sh, the GPU checks in one command: its steps run in order within its time,
+and everything it would run names flags, memcheck cases, tests and a suite that exist."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from absl import flags
+
+from flexjax import flags as flags_lib
+from tools import memcheck
+from tools import suite
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = ['env', 'transfers', 'fp16', 'memcheck', 'suite', 'tests']
+
+
+def run_recorded(tmp_path, seconds: int, sleep: float = 0) -> tuple[list[str], list[list[str]]]:
+  """Runs the script with a stand-in interpreter that records its arguments, sleeps `sleep`
+  seconds and exits 0: (steps.txt lines, each recorded argv)."""
+  calls = tmp_path / 'calls.jsonl'
+  fake = tmp_path / 'python'
+  fake.write_text('#!/usr/bin/env python3\nimport json, sys, time\n'
+                  f'open({str(calls)!r}, "a").write(json.dumps(sys.argv[1:]) + "\\n")\n'
+                  f'time.sleep({sleep})\n')
+  fake.chmod(0o755)
+  out = tmp_path / 'out'
+  proc = subprocess.run(['bash', 'tools/device_check.sh', str(out), str(seconds)], cwd=ROOT,
+                        env={'PATH': '/usr/bin:/bin', 'PYTHON': str(fake)},
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  argvs = [json.loads(line) for line in calls.read_text().splitlines()]
+  argvs = [a for a in argvs if a[:2] != ['-m', 'pip']]  # FlexGen's wheel, where one is here
+  return (out / 'steps.txt').read_text().splitlines(), argvs
+
+
+def test_steps_run_in_order_and_hand_back_few_files(tmp_path):
+  lines, argvs = run_recorded(tmp_path, 560)
+  assert [line.split()[0] for line in lines[:-1]] == STEPS
+  assert all(' rc=0 ' in line for line in lines[:-1])
+  assert lines[-1].startswith('device check:')
+  # the suite step gets what is left but the tests' share
+  limit = int(lines[STEPS.index('suite')].split('(limit ')[1].split()[0])
+  assert 560 - 90 - 5 <= limit <= 560 - 90
+  assert len(argvs) == len(STEPS)  # no render: the stand-in wrote no suite records
+  assert {p.name for p in (tmp_path / 'out').iterdir()} == {'steps.txt', 'log.txt'}
+
+
+def test_a_short_total_skips_what_does_not_fit(tmp_path):
+  lines, argvs = run_recorded(tmp_path, 13, sleep=4)
+  assert lines[0].startswith('env rc=0') and lines[0].endswith('(limit 13 s)')
+  assert lines[1:-1] == [f'{name} skipped: no time left' for name in STEPS[1:]]
+  assert len(argvs) == 1
+
+
+def test_what_it_runs_exists(tmp_path):
+  _, argvs = run_recorded(tmp_path, 560)
+  by_module = {a[1]: a[2:] for a in argvs if a[0] == '-m'}
+  # flexjax.main's flags parse
+  fv = flags.FlagValues()
+  flags_lib.define_flags(fv)
+  fv(['main', *by_module['flexjax.main']])
+  assert fv.host_memory == 'pinned' and fv.w_cpu_percent == 70
+  # memcheck's cases exist
+  only = next(a for a in by_module['tools.memcheck'] if a.startswith('--only='))
+  names = only.split('=', 1)[1].split(',')
+  assert names and set(names) <= set(memcheck.CASES)
+  # the suite file loads, with FlexGen rows whose policy is a flexjax row's
+  path = next(a for a in by_module['tools.suite'] if a.startswith('--suite=')).split('=', 1)[1]
+  _, cases = suite.load_suite(str(ROOT / path))
+  systems = {c['system'] for c in cases}
+  assert systems == {'flexjax', 'flexgen'}
+  names = {c['name'] for c in cases}
+  for case in cases:
+    if case['system'] == 'flexgen':
+      assert case['policy'].startswith('from:') and case['policy'][5:] in names
+  # the test files exist
+  tests = [a for a in by_module['pytest'] if a.endswith('.py')]
+  assert tests and all((ROOT / t).is_file() for t in tests)
+  # the inline programs compile
+  for argv in argvs:
+    if argv[0] == '-c':
+      compile(argv[1], '<device_check>', 'exec')

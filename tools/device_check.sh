@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, sized for a lent GPU machine (one H100 or H200, no network, its
+# image holding CUDA jax, torch, flax, orbax, absl, transformers and accelerate): run from the
+# repository root, nothing installed but FlexGen's wheel, every result under OUT_DIR.
+#
+#   bash tools/device_check.sh OUT_DIR [SECONDS]
+#
+# SECONDS (default 560) bounds the whole check; each step gets at most its share and the suite
+# what is left. FlexGen 0.1.8 comes from .device/wheels (fetch it beforehand where the package
+# registry is reachable: pip download flexgen==0.1.8 --no-deps -d .device/wheels) and is
+# installed into .device/site; without it the FlexGen rows fail and the rest still runs.
+#
+# Steps, each one's output in OUT_DIR/log.txt, its exit status and seconds in OUT_DIR/steps.txt
+# (with memcheck.jsonl, suite.jsonl and suite.md: five files, within what a lent machine hands back):
+#   env        python, jax, the device and its memory kinds, torch's CUDA, FlexGen
+#   transfers  host -> device GB/s of 1 GiB from pageable numpy and from pinned host memory
+#   fp16       opt-1.3b with weights 30/70 on device/host pinned: the default compute dtype on
+#              a GPU (float16), host memory kind, memory_stats peak against the plan
+#   memcheck   tools.memcheck's GPU-relevant cases: memory_stats peak <= plan per case
+#   suite      configs/bench/gpu-lent.json: flexjax against FlexGen 0.1.8, same policies (all the
+#              time left but the tests' 90 s)
+#   tests      the dispatch-count and pinned-host tests on the GPU backend, one process
+# Every process allocates device memory as it needs it (XLA_PYTHON_CLIENT_PREALLOCATE=false):
+# the suite's and memcheck's parent processes and the runs they start share one GPU.
+set -u
+out=${1:?usage: bash tools/device_check.sh OUT_DIR [SECONDS]}
+total=${2:-560}
+py=${PYTHON:-python3}
+tests_s=90
+start=$(date +%s)
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+if compgen -G '.device/wheels/*.whl' > /dev/null; then
+  "$py" -m pip install -q --no-deps --no-index --target .device/site .device/wheels/*.whl \
+    >> "$out/log.txt" 2>&1 && export PYTHONPATH="$PYTHONPATH:$PWD/.device/site"
+fi
+
+# step NAME SECONDS COMMAND...: runs COMMAND for at most SECONDS (never past the total).
+step() {
+  local name=$1 limit=$2 began rc left
+  shift 2
+  left=$(( start + total - $(date +%s) ))
+  (( limit > left )) && limit=$left
+  if (( limit < 10 )); then
+    echo "$name skipped: no time left" | tee -a "$out/steps.txt"
+    return
+  fi
+  began=$(date +%s)
+  echo "==== $name" >> "$out/log.txt"
+  timeout "$limit" "$@" > "$out/step.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - began )) s (limit $limit s)" | tee -a "$out/steps.txt"
+  tail -n 25 "$out/step.log"
+  cat "$out/step.log" >> "$out/log.txt"
+  rm -f "$out/step.log"
+}
+
+step env 30 "$py" -c '
+import importlib.util, sys, jax, torch
+d = jax.devices()[0]
+print("python", sys.version.split()[0], "jax", jax.__version__, "device", d.platform, d.device_kind)
+print("memory kinds", [m.kind for m in d.addressable_memories()])
+print("torch", torch.__version__, "cuda", torch.cuda.is_available())
+print("flexgen", importlib.util.find_spec("flexgen") is not None)'
+
+step transfers 60 "$py" -c '
+import numpy as np, jax
+from jax.sharding import SingleDeviceSharding
+from flexjax.hardware import best_seconds, host_memory_kind
+d = jax.devices()[0]
+host = np.random.default_rng(0).random(2**28, dtype=np.float32)
+rate = lambda s: host.nbytes / s / 1e9
+print(f"pageable numpy -> device: {rate(best_seconds(lambda: jax.device_put(host, d).block_until_ready())):.1f} GB/s")
+kind = host_memory_kind(d)
+if kind:
+  src = jax.device_put(host, SingleDeviceSharding(d, memory_kind=kind))
+  dst = SingleDeviceSharding(d, memory_kind=d.default_memory().kind)
+  print(f"{kind} -> device: {rate(best_seconds(lambda: jax.device_put(src, dst).block_until_ready())):.1f} GB/s")
+else:
+  print("no pinned host memory offered")'
+
+step fp16 90 "$py" -m flexjax.main --model=opt-1.3b --weights=dummy --prompt_len=512 --gen_len=8 \
+  --num_prompts=16 --gpu_batch_size=8 --num_gpu_batches=2 --w_gpu_percent=30 --w_cpu_percent=70 \
+  --host_memory=pinned
+
+step memcheck 150 "$py" -m tools.memcheck \
+  --only=all_device,weights_host_pinned,weights_disk,cache_host,cpu_attention,int4_weights_cache \
+  --output="$out/memcheck.jsonl"
+
+step suite $(( start + total - tests_s - $(date +%s) )) "$py" -m tools.suite \
+  --suite=configs/bench/gpu-lent.json --output="$out/suite.jsonl"
+if [[ -s "$out/suite.jsonl" ]]; then
+  "$py" -m tools.suite --render="$out/suite.jsonl" > "$out/suite.md" 2>&1
+  cat "$out/suite.md"
+fi
+step tests "$tests_s" "$py" -m pytest -q -p no:cacheprovider -n 0 tests/test_dispatch.py \
+  tests/test_host_memory.py
+echo "device check: $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
