@@ -11,7 +11,7 @@
 # installed into .device/site; without it the FlexGen rows fail and the rest still runs.
 #
 # Steps, each one's output in OUT_DIR/log.txt, its exit status and seconds in OUT_DIR/steps.txt
-# (with memcheck.jsonl, suite.jsonl and suite.md: five files, within what a lent machine hands back):
+# (with memcheck.jsonl, suite.jsonl and suite.md: five files, which a lent machine hands back):
 #   env        python, jax, the device and its memory kinds, torch's CUDA, FlexGen
 #   transfers  host -> device GB/s of 1 GiB from pageable numpy and from pinned host memory
 #   fp16       opt-1.3b with weights 30/70 on device/host pinned: the default compute dtype on
