@@ -69,13 +69,14 @@ from jax.sharding import SingleDeviceSharding
 from flexjax.hardware import best_seconds, host_memory_kind
 d = jax.devices()[0]
 host = np.random.default_rng(0).random(2**28, dtype=np.float32)
-rate = lambda s: host.nbytes / s / 1e9
-print(f"pageable numpy -> device: {rate(best_seconds(lambda: jax.device_put(host, d).block_until_ready())):.1f} GB/s")
+def show(name, put):
+  seconds = best_seconds(lambda: put().block_until_ready())
+  print(f"{name} -> device: {host.nbytes / seconds / 1e9:.1f} GB/s")
+show("pageable numpy", lambda: jax.device_put(host, d))
 kind = host_memory_kind(d)
 if kind:
   src = jax.device_put(host, SingleDeviceSharding(d, memory_kind=kind))
-  dst = SingleDeviceSharding(d, memory_kind=d.default_memory().kind)
-  print(f"{kind} -> device: {rate(best_seconds(lambda: jax.device_put(src, dst).block_until_ready())):.1f} GB/s")
+  show(kind, lambda: jax.device_put(src, SingleDeviceSharding(d, memory_kind="device")))
 else:
   print("no pinned host memory offered")'
 
