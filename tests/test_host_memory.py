@@ -14,7 +14,6 @@ from flexjax.mover import value_bytes
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
-from flexjax.evalharness import options_from_args
 from flexjax.policy import Policy
 
 GEN = GenerationConfig(gen_len=5, stop_at_eos=False)
@@ -103,6 +102,8 @@ def test_host_memory_kind_by_device_and_request():
 
 
 def test_lm_eval_model_args_take_host_memory():
+  pytest.importorskip('lm_eval')  # an optional extra: GPU machines' images may lack it
+  from flexjax.evalharness import options_from_args
   options = options_from_args({'checkpoint': '/x', 'host_memory': 'pinned'})
   assert options.host_memory == 'pinned'
   with pytest.raises(FlexjaxError, match="host_memory='locked' is not one of"):
