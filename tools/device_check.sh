@@ -83,6 +83,10 @@ else:
 step fp16 90 "$py" -m flexjax.main --model=opt-1.3b --weights=dummy --prompt_len=512 --gen_len=8 \
   --num_prompts=16 --gpu_batch_size=8 --num_gpu_batches=2 --w_gpu_percent=30 --w_cpu_percent=70 \
   --host_memory=pinned
+# what that run says of the checks (its table is longer than a step's tail)
+said=' (device|weight_dtype|compute_dtype|cache_dtype|host_memory|total_tok_s): '
+awk '/^==== /{on = ($2 == "fp16")} on' "$out/log.txt" |
+  grep -E "$said|(planned|measured)_[a-z]+_peak_bytes"
 
 step memcheck 150 "$py" -m tools.memcheck \
   --only=all_device,weights_host_pinned,weights_disk,cache_host,cpu_attention,int4_weights_cache \
