@@ -228,6 +228,24 @@ def best_seconds(fn, repeats: int = 3, min_total: float = 0.0) -> float:
   return min(times)
 
 
+def transfer_rate(host: np.ndarray, device, memory_kind: str | None = None,
+                  repeats: int = 3) -> float:
+  """Bytes/s of copying `host` to `device`'s own memory with jax.device_put: from host memory
+  of `memory_kind` ('pinned_host': an accelerator's DMA), or (None) from the numpy buffer, a
+  fresh copy of it each time on a CPU backend, whose device_put could alias the buffer."""
+  import jax
+  if memory_kind is None:
+    fresh = device.platform == 'cpu'
+    put = lambda: jax.device_put(np.array(host) if fresh else host, device)
+  else:
+    from jax.sharding import SingleDeviceSharding
+    source = jax.device_put(host, SingleDeviceSharding(device, memory_kind=memory_kind))
+    target = SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+    put = lambda: jax.device_put(source, target)
+  put().block_until_ready()
+  return host.nbytes / best_seconds(lambda: put().block_until_ready(), repeats)
+
+
 def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
             hidden: int = 2048, quick: bool = False, progress: bool = False) -> HardwareProfile:
   """Measures this machine: transfers, disk reads as the engine makes them (O_DIRECT, I/O
@@ -254,16 +272,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   nbytes = host.nbytes
   # Host to device as host-tier weights move: from pinned host memory where the engine keeps
   # them there (an accelerator's DMA), else from a numpy buffer.
-  pinned = host_memory_kind(device)
-  if pinned is None:
-    ctog = nbytes / best_seconds(
-        lambda: jax.device_put(np.array(host), device).block_until_ready())
-  else:
-    from jax.sharding import SingleDeviceSharding
-    source = jax.device_put(host, SingleDeviceSharding(device, memory_kind=pinned))
-    target = SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
-    ctog = nbytes / best_seconds(lambda: jax.device_put(source, target).block_until_ready())
-    del source
+  ctog = transfer_rate(host, device, host_memory_kind(device))
   bar.update(1)
   on_device = jax.device_put(host, device)
   gtoc = nbytes / best_seconds(lambda: np.array(on_device))

@@ -110,16 +110,9 @@ def host_device_bandwidth(*, nbytes: int = 256 * 2**20, device=None) -> tuple[fl
     dst = np.empty_like(src)
     np.copyto(dst, src)
     return nbytes / best_seconds(lambda: np.copyto(dst, src), 5), 'memcpy (numpy copyto)'
-  if hardware.host_memory_kind(device) is not None:  # the link's rate: DMA from pinned memory
-    from jax.sharding import SingleDeviceSharding
-    pinned = jax.device_put(src, SingleDeviceSharding(device, memory_kind='pinned_host'))
-    target = SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
-    jax.device_put(pinned, target).block_until_ready()
-    return nbytes / best_seconds(lambda: jax.device_put(pinned, target).block_until_ready(),
-                                 5), 'jax.device_put from pinned_host'
-  jax.device_put(src, device).block_until_ready()
-  return nbytes / best_seconds(lambda: jax.device_put(src, device).block_until_ready(), 5), (
-      'jax.device_put')
+  kind = hardware.host_memory_kind(device)  # the link's rate: DMA from pinned memory
+  return hardware.transfer_rate(src, device, kind, repeats=5), (
+      'jax.device_put' + (f' from {kind}' if kind else ''))
 
 
 @dataclasses.dataclass(frozen=True)
