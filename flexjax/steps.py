@@ -156,8 +156,8 @@ class Steps:
     self.prefill_layer = prefill(None)
     # On a CPU backend, long float32 prompt steps run their products in oneDNN (`uses_library`;
     # bfloat16 ones ran slower there: opt-1.3b prefill layer of 8 x 512, 897 against 773 ms).
-    self.library = linear.in_library(device.platform, self.compute, linear.LIBRARY_ROWS)
-    self.prefill_layer_library = prefill(linear.library_options()) if self.library else None
+    library = linear.in_library(device.platform, self.compute, linear.LIBRARY_ROWS)
+    self.prefill_layer_library = prefill(linear.library_options()) if library else None
     self.decode_layer = jax.jit(functools.partial(decode_layer, **layer_kw),
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
     self.decode_front = jax.jit(functools.partial(decode_front, **layer_kw),
