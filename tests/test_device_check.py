@@ -14,7 +14,7 @@ from tools import memcheck
 from tools import suite
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ['env', 'transfers', 'fp16', 'memcheck', 'suite', 'tests']
+STEPS = ['env', 'transfers', 'fp16', 'memcheck', 'phases', 'suite', 'tests']
 
 
 def run_recorded(tmp_path, seconds: int, sleep: float = 0) -> tuple[list[str], list[list[str]]]:
@@ -44,8 +44,9 @@ def test_steps_run_in_order_and_hand_back_few_files(tmp_path):
   assert lines[-1].startswith('device check:')
   # the suite step gets what is left but the tests' share
   limit = int(lines[STEPS.index('suite')].split('(limit ')[1].split()[0])
-  assert 560 - 90 - 5 <= limit <= 560 - 90
-  assert len(argvs) == len(STEPS)  # no render: the stand-in wrote no suite records
+  assert 560 - 120 - 5 <= limit <= 560 - 120
+  # phases runs its tool twice; no render: the stand-in wrote no suite records
+  assert len(argvs) == len(STEPS) + 1
   assert {p.name for p in (tmp_path / 'out').iterdir()} == {'steps.txt', 'log.txt'}
 
 
@@ -76,6 +77,10 @@ def test_what_it_runs_exists(tmp_path):
   for case in cases:
     if case['system'] == 'flexgen':
       assert case['policy'] in flexjax_policies
+  # the phase tool runs once with jax's default allocator, once growing
+  assert [a for a in argvs if a[:2] == ['-m', 'tools.phase_memory']] == [
+      ['-m', 'tools.phase_memory']] * 2
+  assert (ROOT / 'tools/phase_memory.py').is_file()
   # the test files exist
   tests = [a for a in by_module['pytest'] if a.endswith('.py')]
   assert tests and all((ROOT / t).is_file() for t in tests)

@@ -17,19 +17,24 @@
 #   fp16       opt-1.3b with weights 30/70 on device/host pinned: the default compute dtype on
 #              a GPU (float16), host memory kind, memory_stats peak against the plan
 #   memcheck   tools.memcheck's GPU-relevant cases: memory_stats peak <= plan per case
+#   phases     tools.phase_memory: device bytes in use and peak after placing, compiling and
+#              generating, with jax's default allocator and with growth
 #   suite      configs/bench/gpu-lent.json: flexjax against FlexGen 0.1.8, same policies (all the
 #              time left but the tests' 90 s)
 #   tests      the dispatch-count and pinned-host tests on the GPU backend, one process
-# Every process allocates device memory as it needs it (XLA_PYTHON_CLIENT_PREALLOCATE=false):
-# the suite's and memcheck's parent processes and the runs they start share one GPU.
+# memcheck's cases (one process at a time) run with jax's default allocator, which takes most of
+# the GPU up front, as a user's run does; where processes share the GPU (the suite's parent and
+# its runs, pytest and the runs its tests start) each allocates as it grows
+# (XLA_PYTHON_CLIENT_PREALLOCATE=false), which rounds allocations up (BUILD_NOTES: up to ~2%).
 set -u
 out=${1:?usage: bash tools/device_check.sh OUT_DIR [SECONDS]}
 total=${2:-560}
 py=${PYTHON:-python3}
-tests_s=90
+tests_s=120
 start=$(date +%s)
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+grow=(env XLA_PYTHON_CLIENT_PREALLOCATE=false)
 if compgen -G '.device/wheels/*.whl' > /dev/null; then
   "$py" -m pip install -q --no-deps --no-index --target .device/site .device/wheels/*.whl \
     >> "$out/log.txt" 2>&1 && export PYTHONPATH="$PYTHONPATH:$PWD/.device/site"
@@ -87,12 +92,15 @@ step memcheck 150 "$py" -m tools.memcheck \
   --only=all_device,weights_host_pinned,weights_disk,cache_host,cpu_attention,int4_weights_cache \
   --output="$out/memcheck.jsonl"
 
-step suite $(( start + total - tests_s - $(date +%s) )) "$py" -m tools.suite \
+step phases 60 bash -c '"$0" -m tools.phase_memory && XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  "$0" -m tools.phase_memory' "$py"
+
+step suite $(( start + total - tests_s - $(date +%s) )) "${grow[@]}" "$py" -m tools.suite \
   --suite=configs/bench/gpu-lent.json --output="$out/suite.jsonl"
 if [[ -s "$out/suite.jsonl" ]]; then
   "$py" -m tools.suite --render="$out/suite.jsonl" > "$out/suite.md" 2>&1
   cat "$out/suite.md"
 fi
-step tests "$tests_s" "$py" -m pytest -q -p no:cacheprovider -n 0 tests/test_dispatch.py \
-  tests/test_host_memory.py
+step tests "$tests_s" "${grow[@]}" "$py" -m pytest -q -p no:cacheprovider -n 0 \
+  tests/test_host_memory.py tests/test_dispatch.py
 echo "device check: $(( $(date +%s) - start )) s" | tee -a "$out/steps.txt"
