@@ -414,7 +414,13 @@ class Mover:
     return loaded
 
   def _read_cache(self, cache: SplitArray, name: str, held: list):
-    """Offloaded cache rows: on the CPU backend (CPU attention) or the device."""
+    """Offloaded cache rows: on the CPU backend (CPU attention) or the device. The CPU backend
+    reads host rows where they lie (plan.cache_read_in_place); the rest read into a copy."""
+    if plan_lib.cache_read_in_place(self.policy, self.device_is_host, cache.rows['disk']):
+      cache.wait()
+      self.stats['bytes_moved'][name] += cache.host.nbytes
+      return jax.device_put(cache.host, self.steps.cpu if self.policy.cpu_attention
+                            else self.storage.device)
     nbytes = cache.offloaded_rows * cache.shape[1] * cache.shape[2] * cache.dtype.itemsize
     self._hold(held, 'host', nbytes, 'cache.staging')
     rows = cache.read_offloaded(cache.shape[1])

@@ -106,6 +106,15 @@ def cache_row_bytes(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> int:
   return cfg.kv_dim * sizes.cache
 
 
+def cache_read_in_place(policy: Policy, device_is_host: bool, disk_rows: int) -> bool:
+  """Whether a decode step's attention reads a GPU batch's offloaded cache rows where they lie:
+  when none is on disk and the CPU backend attends over them (cpu_attention, or a CPU device),
+  which takes the aligned host array as it is. Else they are copied (disk rows read) into a
+  fresh buffer first. (The step's own write-back, at its new position, goes to a position its
+  attention masks out.)"""
+  return disk_rows == 0 and (policy.cpu_attention or device_is_host)
+
+
 def sparse_keep(policy: Policy, cache_len: int) -> int:
   """Cached positions kept per decode step by sparse attention."""
   return max(1, math.ceil(policy.attn_sparsity * cache_len))
@@ -350,6 +359,10 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   cr, ar = shares.cache_rows, shares.act_rows
   off_cache = cr['host'] + cr['disk']
   off_act = ar['host'] + ar['disk']
+  # read for one offloaded sequence's attention into a fresh buffer: nothing of K (nor of dense
+  # V) where the rows are read in place, the kept rows of a sparse V always
+  staged = ((kept * row if policy.attn_sparsity < 1 else 0)
+            if cache_read_in_place(policy, shape.device_is_host, cr['disk']) else kv_read)
   out = [
       # on a CPU backend the runtime's own memory is RAM beside the (simulated) device tier
       Buffer('runtime', 'host' if shape.device_is_host else 'device', overhead.runtime, 1,
@@ -389,7 +402,7 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
              'offloaded hidden rows read for a step'),
       Buffer('hidden.loaded', 'device', s * hid * (off_act + b * shares.act_partial),
              inputs_alive, RUN, 'offloaded hidden rows on the device, joined to the rest'),
-      Buffer('cache.staging', 'host', kv_read * off_cache, inputs_alive, ('decode',),
+      Buffer('cache.staging', 'host', staged * off_cache, inputs_alive, ('decode',),
              'offloaded KV rows read for attention'),
       Buffer('xla.prefill', 'device', xla['prefill_step'], steps_alive, ('prefill',),
              'XLA temporaries and outputs of the steps in flight'),
