@@ -39,9 +39,34 @@ def test_work_of_a_hand_computed_block():
   assert w['decode'].flops == 2944
   # one token's K and V in both layers: 2*8*2 = 32 bytes; prefill writes 3 tokens per off-device
   # row; decode reads 3 + 4 cached positions and writes 2 tokens per off-device row
-  assert w['prefill'].bytes == {'disk_read': 100, 'disk_write': 96, 'host_device': 300 + 2 * 96}
+  # device memory: no device rows; the two off-device rows attend there in decode
+  assert w['prefill'].bytes == {'disk_read': 100, 'disk_write': 96, 'host_device': 300 + 2 * 96,
+                                'device_memory': 0}
   assert w['decode'].bytes == {'disk_read': 2 * 100 + 7 * 32, 'disk_write': 2 * 32,
-                               'host_device': 2 * 300 + 2 * 2 * 32 + 2 * 7 * 32}
+                               'host_device': 2 * 300 + 2 * 2 * 32 + 2 * 7 * 32,
+                               'device_memory': 2 * 7 * 32}
+
+
+def test_device_memory_bounds_a_small_batch_decode_on_an_accelerator():
+  # everything on the device: one pass reads 500 weight bytes; decode reads 3 + 4 cached
+  # positions of both rows (2 * 7 * 32) and writes their 2 new tokens (2 * 2 * 32)
+  w = roofline.work(HAND, batch=2, prompt_len=3, gen_len=3,
+                    weight_bytes={'disk_read': 0, 'host_device': 0, 'device_memory': 500},
+                    kv_rows={'device': 2, 'host': 0, 'disk': 0}, kv_token_bytes=8)
+  assert w['decode'].bytes['device_memory'] == 2 * 500 + 2 * 7 * 32 + 2 * 2 * 32
+  assert w['prefill'].bytes['device_memory'] == 500 + 2 * 3 * 32
+  gpu = {**RATES, 'device_memory_bw': 10.0}
+  assert roofline.link_bandwidths(gpu)['device_memory'] == 10.0
+  assert 'device_memory' not in roofline.link_bandwidths({**RATES, 'device_memory_bw': None})
+  r = roofline.roofline(w, flops_rate=1000, bandwidths=roofline.link_bandwidths(gpu),
+                        measured={'prefill': 1.0, 'decode': 200.0})
+  assert r['decode']['bound'] == 'device_memory'
+  assert r['decode']['roofline_s'] == pytest.approx((2 * 500 + 2 * 7 * 32 + 2 * 2 * 32) / 10)
+  assert 'device memory: 0 GB/s' in roofline.format_rates({**gpu, 'device_memory_bw': 1e8})
+
+
+def test_the_device_memory_probe_measures():
+  assert roofline.device_memory_bandwidth(nbytes=2**22) > 0
 
 
 def test_cpu_attention_keeps_the_offloaded_cache_off_the_device_link():
@@ -72,11 +97,14 @@ def test_policy_weight_bytes_follow_the_tiers_with_the_token_embedding_once():
   tokens = HAND.vocab_size * HAND.embed_dim * 2
   stored = plan_lib.weight_totals(HAND, Policy(w_gpu_percent=0, w_cpu_percent=0), sizes).stored
   unique = sum(stored.values()) - tokens  # weight_totals keeps a copy per stage
+  # the device reads every tensor in its memory, wherever it is kept
   assert roofline.policy_weight_bytes(HAND, Policy(w_gpu_percent=0, w_cpu_percent=0), sizes) == {
-      'disk_read': unique, 'host_device': unique}
+      'disk_read': unique, 'host_device': unique, 'device_memory': unique}
   assert roofline.policy_weight_bytes(HAND, Policy(w_gpu_percent=0, w_cpu_percent=100),
-                                      sizes) == {'disk_read': 0, 'host_device': unique}
-  assert roofline.policy_weight_bytes(HAND, Policy(), sizes) == {'disk_read': 0, 'host_device': 0}
+                                      sizes) == {'disk_read': 0, 'host_device': unique,
+                                                 'device_memory': unique}
+  assert roofline.policy_weight_bytes(HAND, Policy(), sizes) == {
+      'disk_read': 0, 'host_device': 0, 'device_memory': unique}
 
 
 def test_work_of_policy_counts_the_block_and_its_cache_rows():
@@ -87,15 +115,20 @@ def test_work_of_policy_counts_the_block_and_its_cache_rows():
   assert w['prefill'].flops == 2 * 3616  # a block of 4 sequences
   kv_written = 2 * 3 * (2 * 16 * 2)  # 2 host rows x 3 tokens x (K and V, 16 bytes, 2 layers)
   weights = roofline.policy_weight_bytes(HAND, policy, sizes)['host_device']
+  # the 2 device rows' K and V are written in device memory, where every weight is read
   assert w['prefill'].bytes == {'disk_read': 0, 'disk_write': 0,
-                                'host_device': weights + kv_written}
+                                'host_device': weights + kv_written,
+                                'device_memory': weights + kv_written}
 
 
 def test_work_of_accelerate_reads_its_disk_weights_as_stored():
   kw = dict(batch=2, prompt_len=3, gen_len=3, placed={'device': 0, 'host': 400, 'disk': 800},
             compute_itemsize=4, storage_itemsize=2)
   on_cpu = roofline.work_of_accelerate(HAND, device_is_host=True, **kw)
-  assert on_cpu['decode'].bytes == {'disk_read': 2 * 400, 'disk_write': 0, 'host_device': 0}
+  # device memory: 2 passes over all 1200 weight bytes, 7 cached positions of K and V (64
+  # bytes) read and 2 tokens written for both sequences
+  assert on_cpu['decode'].bytes == {'disk_read': 2 * 400, 'disk_write': 0, 'host_device': 0,
+                                    'device_memory': 2 * 1200 + 2 * 7 * 64 + 2 * 2 * 64}
   on_gpu = roofline.work_of_accelerate(HAND, device_is_host=False, **kw)
   assert on_gpu['prefill'].bytes['host_device'] == 400 + 400
   assert on_gpu['prefill'].flops == hand_work()['prefill'].flops

@@ -92,7 +92,7 @@ step memcheck 150 "$py" -m tools.memcheck \
   --only=all_device,weights_host_pinned,weights_disk,cache_host,cpu_attention,int4_weights_cache \
   --output="$out/memcheck.jsonl"
 
-step phases 60 bash -c '"$0" -m tools.phase_memory && XLA_PYTHON_CLIENT_PREALLOCATE=false \
+step phases 60 bash -c '"$0" -m tools.phase_memory; XLA_PYTHON_CLIENT_PREALLOCATE=false \
   "$0" -m tools.phase_memory' "$py"
 
 step suite $(( start + total - tests_s - $(date +%s) )) "${grow[@]}" "$py" -m tools.suite \

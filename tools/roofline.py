@@ -16,6 +16,11 @@ Rates (measure_rates), each measured here and now:
                  systems) the file is read buffered after dropping it from the page cache, and
                  the result says "o_direct": false.
   disk_write     the same file's buffered write + fsync.
+  device_memory  an accelerator's own memory: the best of a jitted sum over 1 GiB (bytes read)
+                 and a jitted copy of it (bytes read and written), best of 5. Not measured on a
+                 CPU backend, whose device memory is the RAM and whose probes here (XLA:CPU's
+                 reductions on a few cores) read slower than its attention does: there the
+                 roofline has no memory term.
 
 Roofline (roofline): a run's work per phase is its FLOPs and its bytes over each link
 (work_of_policy for flexjax and FlexGen rows, work_of_accelerate for Accelerate rows); its
@@ -44,7 +49,7 @@ from flexjax import diskio, hardware
 from flexjax.errors import FlexjaxError
 from flexjax.hardware import best_seconds
 
-LINKS = ('disk_read', 'disk_write', 'host_device')
+LINKS = ('disk_read', 'disk_write', 'host_device', 'device_memory')
 PHASES = ('prefill', 'decode')
 ALIGN = diskio.BLOCK  # O_DIRECT offsets, lengths and buffers
 
@@ -113,6 +118,22 @@ def host_device_bandwidth(*, nbytes: int = 256 * 2**20, device=None) -> tuple[fl
   kind = hardware.host_memory_kind(device)  # the link's rate: DMA from pinned memory
   return hardware.transfer_rate(src, device, kind, repeats=5), (
       'jax.device_put' + (f' from {kind}' if kind else ''))
+
+
+def device_memory_bandwidth(*, nbytes: int = 2**30, device=None) -> float:
+  """Bytes/s of the jax device's own memory: the better of a sum of `nbytes` (read once) and a
+  copy of them (read and written)."""
+  import jax
+  import jax.numpy as jnp
+  device = device or jax.devices()[0]
+  x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device)
+  total, copy = jax.jit(jnp.sum), jax.jit(lambda a: a + 1)
+  rates = []
+  for fn, moved in ((total, nbytes), (copy, 2 * nbytes)):
+    run = lambda: fn(x).block_until_ready()  # noqa: E731 (fn of this iteration, called now)
+    run()
+    rates.append(moved / best_seconds(run, 5))
+  return max(rates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,11 +227,15 @@ def measure_rates(*, folder: str | None = None, dtypes=('float32',), torch: bool
       log(f'matmul {dtype} torch: {rate / 1e9:.1f} GFLOP/s at n={n}')
   copy_bw, method = host_device_bandwidth(nbytes=copy_bytes, device=device)
   log(f'host -> device: {copy_bw / 1e9:.2f} GB/s ({method})')
+  memory_bw = None if device.platform == 'cpu' else device_memory_bandwidth(device=device)
+  if memory_bw:
+    log(f'device memory: {memory_bw / 1e9:.0f} GB/s')
   disk = disk_bandwidth(folder, file_bytes=file_bytes, chunk_bytes=chunk_bytes, threads=threads)
   log(f'disk read: {disk.read_bw / 1e9:.2f} GB/s (o_direct={disk.o_direct}), '
       f'write + fsync: {disk.write_bw / 1e9:.2f} GB/s in {disk.folder}')
   return {'device': f'{device.platform}:{device.device_kind}', 'matmul_flops': flops,
           'matmul_n': sizes, 'host_device_bw': copy_bw, 'host_device_method': method,
+          'device_memory_bw': memory_bw,
           'disk_read_bw': disk.read_bw, 'disk_write_bw': disk.write_bw,
           'disk': dataclasses.asdict(disk), 'seconds': time.perf_counter() - start,
           'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S%z')}
@@ -232,7 +257,8 @@ def work(cfg, *, batch: int, prompt_len: int, gen_len: int, weight_bytes: dict[s
 
   Args:
     weight_bytes: bytes per link of one pass over the weights (every layer loaded once); there
-      is one pass in prefill and one per decode step (gen_len - 1).
+      is one pass in prefill and one per decode step (gen_len - 1). 'device_memory': the bytes
+      the device's compute reads of them (all of them, wherever they are kept).
     kv_rows: sequences of the block whose KV cache is on 'device', 'host', 'disk'.
     kv_token_bytes: bytes of one token's K in one layer (V is as large).
     kv_read_factor: K and V read per attended position, in units of kv_token_bytes (2; less
@@ -245,9 +271,11 @@ def work(cfg, *, batch: int, prompt_len: int, gen_len: int, weight_bytes: dict[s
   (2*embed*vocab) once per generated token only. KV bytes: prefill writes the prompt's K and V
   of off-device rows; decode step j reads s+j-1 cached positions of off-device rows and writes
   one. Host rows cross the host<->device link, disk rows the disk links (and, without CPU
-  attention, host<->device too). Not counted (the roofline stays a lower bound): layer norms,
-  softmax, biases, the embedding gather, hidden states moved between tiers, device memory
-  bandwidth, and re-reads of the same bytes.
+  attention, host<->device too). Device memory: the weights read per pass, the cached positions
+  of the rows that attend on the device read per decode step, the device rows' new K and V
+  written. Not counted (the roofline stays a lower bound): layer norms, softmax, biases, the
+  embedding gather, hidden states moved between tiers or read and written in device memory,
+  loaded bytes written to device memory, and re-reads of the same bytes.
   """
   h, s, n, L = cfg.hidden_size, prompt_len, gen_len, cfg.num_layers
   layer_mm = 2 * (4 * h * h + 2 * h * cfg.ffn_dim)  # per token
@@ -269,6 +297,9 @@ def work(cfg, *, batch: int, prompt_len: int, gen_len: int, weight_bytes: dict[s
         'host_device': passes * weight_bytes.get('host_device', 0)
         + (kv_rows['host'] + kv_rows['disk']) * written_tokens * kv
         + to_device * read_tokens * read,
+        'device_memory': passes * weight_bytes.get('device_memory', 0)
+        + (kv_rows['device'] + to_device) * read_tokens * read
+        + kv_rows['device'] * written_tokens * kv,
     }
 
   return {'prefill': Work(prefill_flops, moved(1, s, 0)),
@@ -278,14 +309,16 @@ def work(cfg, *, batch: int, prompt_len: int, gen_len: int, weight_bytes: dict[s
 def policy_weight_bytes(cfg, policy, sizes) -> dict[str, float]:
   """One pass over the weights as flexjax (and FlexGen) place them with `policy`: disk tensors
   are read from disk, and they and host tensors cross to the device; device tensors stay. The
-  tied token embedding is counted once, where the head keeps it."""
+  tied token embedding is counted once, where the head keeps it. Every tensor is read in device
+  memory by the step that uses it."""
   from flexjax import plan as plan_lib
   per_tier = dict.fromkeys(('device', 'host', 'disk'), 0)
   for stage, count in plan_lib.distinct_stages(cfg).items():
     for slot in plan_lib.stage_layout(cfg, policy, sizes, stage):
       if not (stage == 'embed' and slot.path == ('tokens',)):
         per_tier[slot.tier] += count * slot.stored
-  return {'disk_read': per_tier['disk'], 'host_device': per_tier['host'] + per_tier['disk']}
+  return {'disk_read': per_tier['disk'], 'host_device': per_tier['host'] + per_tier['disk'],
+          'device_memory': sum(per_tier.values())}
 
 
 def work_of_policy(cfg, policy, sizes, *, prompt_len: int, gen_len: int) -> dict[str, Work]:
@@ -305,19 +338,25 @@ def work_of_accelerate(cfg, *, batch: int, prompt_len: int, gen_len: int,
   """An Accelerate run: `placed` is its device map's weight bytes per tier in the compute dtype.
   Its disk weights are read from the checkpoint (storage dtype) at every forward pass; on a GPU
   its CPU and disk weights then cross to the device; on a CPU they are used where they are.
-  Its KV cache stays on its device."""
+  Its KV cache stays on its device, where its weights are read in the compute dtype."""
   disk_stored = placed.get('disk', 0) * storage_itemsize / compute_itemsize
   to_device = 0 if device_is_host else placed.get('host', 0) + disk_stored
   return work(cfg, batch=batch, prompt_len=prompt_len, gen_len=gen_len,
-              weight_bytes={'disk_read': disk_stored, 'host_device': to_device},
+              weight_bytes={'disk_read': disk_stored, 'host_device': to_device,
+                            'device_memory': sum(placed.get(t, 0) for t in
+                                                 ('device', 'host', 'disk'))},
               kv_rows={'device': batch, 'host': 0, 'disk': 0},
               kv_token_bytes=cfg.kv_dim * compute_itemsize)
 
 
 # ---- the roofline --------------------------------------------------------------------------------
 def link_bandwidths(rates: dict[str, Any]) -> dict[str, float]:
-  return {'disk_read': rates['disk_read_bw'], 'disk_write': rates['disk_write_bw'],
-          'host_device': rates['host_device_bw']}
+  """Bytes/s per link; device memory where it was measured (an accelerator's)."""
+  out = {'disk_read': rates['disk_read_bw'], 'disk_write': rates['disk_write_bw'],
+         'host_device': rates['host_device_bw']}
+  if rates.get('device_memory_bw'):
+    out['device_memory'] = rates['device_memory_bw']
+  return out
 
 
 def compute_rate(rates: dict[str, Any], dtype: str) -> float:
@@ -408,6 +447,8 @@ def format_rates(rates: dict[str, Any]) -> str:
         f'{fw} {v / 1e9:,.1f} GFLOP/s (n={rates["matmul_n"][dtype][fw]})'
         for fw, v in by_framework.items()))
   disk = rates['disk']
+  if rates.get('device_memory_bw'):
+    lines.append(f'device memory: {rates["device_memory_bw"] / 1e9:,.0f} GB/s')
   lines += [f'host -> device: {rates["host_device_bw"] / 1e9:.2f} GB/s '
             f'({rates["host_device_method"]})',
             f'disk read: {rates["disk_read_bw"] / 1e9:.2f} GB/s (o_direct={disk["o_direct"]}, '
