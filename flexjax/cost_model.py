@@ -113,7 +113,9 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
       'ctod': term(cd=bls * s * 2 * k_tok / hw.ctod_bw, hd=bls * s * hid / hw.ctod_bw),
       'compute': term(bls * s * flops_layer / mm_p + bls * 4 * s * s * q_dim / bmm_p + step),
   }
-  cache_in = 0.0 if cpu_att else bls * avg * kv_read_tok / hw.ctog_bw
+  # offloaded cache rows brought to the device's attention; none where the CPU backend attends
+  # over them in host RAM (CPU attention, or a CPU device: read in place, see the mover)
+  cache_in = 0.0 if cpu_att or hw.copies_share_compute else bls * avg * kv_read_tok / hw.ctog_bw
   attention_device = bls * 4 * avg * q_dim / bmm_g
   # On a CPU backend the device is the CPU: its attention and CPU attention run on the same
   # cores at one rate (two measurements of it differ only by noise).
