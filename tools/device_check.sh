@@ -20,7 +20,7 @@
 #   phases     tools.phase_memory: device bytes in use and peak after placing, compiling and
 #              generating, with jax's default allocator and with growth
 #   suite      configs/bench/gpu-lent.json: flexjax against FlexGen 0.1.8, same policies (all the
-#              time left but the tests' 90 s)
+#              time left but the tests' 120 s)
 #   tests      the dispatch-count and pinned-host tests on the GPU backend, one process
 # memcheck's cases (one process at a time) run with jax's default allocator, which takes most of
 # the GPU up front, as a user's run does; where processes share the GPU (the suite's parent and
