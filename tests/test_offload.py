@@ -37,6 +37,11 @@ POLICIES = {
                                      cache_cpu_percent=100),
     'cpu_attention_cache_host': Policy(gpu_batch_size=4, cache_gpu_percent=0,
                                        cache_cpu_percent=100, cpu_attention=True),
+    # two GPU batches overlapping: each attends over its live host cache rows (read in place)
+    # while the other's steps run and write theirs
+    'cpu_attention_2x2_cache_host': Policy(gpu_batch_size=2, num_gpu_batches=2,
+                                           cache_gpu_percent=0, cache_cpu_percent=100,
+                                           cpu_attention=True),
     'cpu_attention_cache_split': Policy(gpu_batch_size=4, cache_gpu_percent=25,
                                         cache_cpu_percent=25, cpu_attention=True),
     'no_overlap_all_split': Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=20,
