@@ -114,8 +114,10 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
       'compute': term(bls * s * flops_layer / mm_p + bls * 4 * s * s * q_dim / bmm_p + step),
   }
   # offloaded cache rows brought to the device's attention; none where the CPU backend attends
-  # over them in host RAM (CPU attention, or a CPU device: read in place, see the mover)
-  cache_in = 0.0 if cpu_att or hw.copies_share_compute else bls * avg * kv_read_tok / hw.ctog_bw
+  # over them in host RAM (plan.cache_read_in_place; with rows on disk too the host rows are
+  # copied beside the disk reads, which the dtoc term charges: left out of this linear model)
+  read_in_place = plan_lib.cache_read_in_place(policy, hw.copies_share_compute, disk_rows=0)
+  cache_in = 0.0 if read_in_place else bls * avg * kv_read_tok / hw.ctog_bw
   attention_device = bls * 4 * avg * q_dim / bmm_g
   # On a CPU backend the device is the CPU: its attention and CPU attention run on the same
   # cores at one rate (two measurements of it differ only by noise).
