@@ -1,14 +1,20 @@
 """Backend choices made from the platform: the default compute dtype, and the CPU backend kept
-beside the accelerator when JAX_PLATFORMS names only the latter; the engine's step overhead."""
+beside the accelerator when JAX_PLATFORMS names only the latter; the engine's step overhead;
+the measured profile."""
+
+import math
 
 import jax
 import pytest
 
+from flexjax import cost_model
 from flexjax import flags as flags_lib
 from flexjax import hardware
+from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.engine import Engine
 from flexjax.errors import FlexjaxError
+from flexjax.policy import Policy
 from flexjax.weights import DummyWeights
 
 
@@ -77,3 +83,25 @@ def test_step_overhead_is_measured_on_the_engine():
   positive and far below a real layer's products on any machine (tens of milliseconds)."""
   seconds = hardware.step_overhead(num_layers=2, gpu_batches=2, gen_len=3)
   assert 0 < seconds < 0.01
+
+
+def test_measuring_this_machine_gives_a_profile_the_cost_model_takes(tmp_path):
+  """hardware.measure, as a first --policy=auto run on a new machine calls it (quick sizes):
+  every rate measured and finite, the profile saved and loaded whole, and a search over it
+  predicts finite times."""
+  profile = hardware.measure(jax.devices()[0], quick=True, scratch_dir=str(tmp_path))
+  assert sorted(profile.mm_flops) == [1, 16, 256] and sorted(profile.bmm_flops) == [1, 16, 256]
+  rates = [profile.ctog_bw, profile.gtoc_bw, profile.dtoc_bw, profile.ctod_bw, profile.cpu_flops,
+           profile.prefill_attention_flops, *profile.mm_flops.values(),
+           *profile.bmm_flops.values()]
+  assert all(0 < r < math.inf for r in rates)
+  assert profile.copies_share_compute and 0 <= profile.disk_overlap <= 1
+  profile.save(tmp_path / 'hw.json')
+  assert hardware.HardwareProfile.load(tmp_path / 'hw.json') == profile
+  cfg = ModelConfig(name='measured', num_layers=2, hidden_size=64, num_heads=4, ffn_dim=128,
+                    vocab_size=512, max_positions=64)
+  sizes = plan_lib.Itemsizes(storage=2, compute=4, cache=4)
+  got = cost_model.predict(cfg, Policy(gpu_batch_size=4, cache_gpu_percent=0,
+                                       cache_cpu_percent=100, cpu_attention=True),
+                           profile, sizes, prompt_len=16, gen_len=8)
+  assert 0 < got.prefill_s < math.inf and 0 < got.decode_s < math.inf
