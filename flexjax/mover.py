@@ -418,16 +418,15 @@ class Mover:
     reads host rows where they lie (plan.cache_read_in_place); the rest read into a copy."""
     if plan_lib.cache_read_in_place(self.policy, self.device_is_host, cache.rows['disk']):
       cache.wait()
-      self.stats['bytes_moved'][name] += cache.host.nbytes
-      return jax.device_put(cache.host, self.steps.cpu if self.policy.cpu_attention
-                            else self.storage.device)
-    nbytes = cache.offloaded_rows * cache.shape[1] * cache.shape[2] * cache.dtype.itemsize
-    self._hold(held, 'host', nbytes, 'cache.staging')
-    rows = cache.read_offloaded(cache.shape[1])
+      rows = cache.host
+    else:
+      nbytes = cache.offloaded_rows * cache.shape[1] * cache.shape[2] * cache.dtype.itemsize
+      self._hold(held, 'host', nbytes, 'cache.staging')
+      rows = cache.read_offloaded(cache.shape[1])
     self.stats['bytes_moved'][name] += rows.nbytes
     if self.policy.cpu_attention:
       return jax.device_put(rows, self.steps.cpu)
-    if not self.device_is_host:
+    if not self.device_is_host:  # rows read in place only get here on a CPU device
       self._hold(held, 'device', rows.nbytes, 'cache.loaded')
     return jax.device_put(rows, self.storage.device)
 
