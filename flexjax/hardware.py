@@ -306,9 +306,10 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
 
   # One new token per sequence over 512 cached positions, in the dtype a run's decode attention
   # reads: the compute dtype, which is also the cache's by default, on the device and on the CPU
-  # backend with cpu_attention (there as the engine compiles it, a program of its own). XLA:CPU
-  # attends over float16 at about a third of its float32 speed (opt-6.7b, 16 x 544: 38.5
-  # against 13.1 ms), so a GPU's profile must not take the float32 rate for it.
+  # backend with cpu_attention (there as the engine compiles it, a program of its own, which
+  # converts the rows it reads to float32: attention.attend_dtype). XLA:CPU's rates differ by
+  # dtype (opt-6.7b, 16 x 544: float32 15.1, float16 10.1 ms), so a GPU's profile must not take
+  # the float32 rate for it.
   def attention_rate(rows, backend, standalone=False):
     args = [jax.device_put(np.ones(shape, compute), backend)
             for shape in ((rows, hidden), (rows, hidden), (rows, hidden), (rows, 512, hidden),

@@ -76,3 +76,42 @@ def test_prefill_attention_in_chunks_equals_the_full_square(kv_heads, s, chunks)
     got = attention.prefill_attend(q, k, v, jnp.asarray(mask), cfg, chunk=chunk)
     np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(full)[mask], rtol=1e-5,
                                atol=1e-5)  # float32 sums of up to 260 terms in another order
+
+
+@pytest.mark.parametrize('kv_heads', [4, 2])
+@pytest.mark.parametrize('t', [5, 16, 37, 64])
+@pytest.mark.parametrize('standalone', [False, True])
+def test_decode_attention_equals_the_reference(kv_heads, t, standalone):
+  """One new token per sequence over its masked cache and itself, for position counts below,
+  at and between multiples of attention.POSITION_CHUNK (the runs the values are summed in), in
+  both forms (in a layer step; standalone on the CPU backend), float32 exactly up to rounding;
+  a float16 cache and query on the CPU backend within float16's rounding of the result."""
+  from flexjax.config import ModelConfig
+  from flexjax.model import attention
+  cfg = ModelConfig(name='t', family='llama', num_layers=1, hidden_size=32, num_heads=4, ffn_dim=64,
+                    vocab_size=100, max_positions=512, num_kv_heads=kv_heads)
+  rng = np.random.default_rng(t)
+  b, g = 3, 4 // kv_heads
+  q = rng.standard_normal((b, cfg.q_dim)).astype(np.float32)
+  k_new, v_new = (rng.standard_normal((b, cfg.kv_dim)).astype(np.float32) for _ in range(2))
+  kc, vc = (rng.standard_normal((b, t, cfg.kv_dim)).astype(np.float32) for _ in range(2))
+  mask = np.ones((b, t), bool)
+  mask[1, :3] = mask[2, t // 2:] = False
+  keys = np.concatenate([kc, k_new[:, None]], axis=1).reshape(b, t + 1, kv_heads, 1, 8)
+  values = np.concatenate([vc, v_new[:, None]], axis=1).reshape(b, t + 1, kv_heads, 1, 8)
+  scores = (q.reshape(b, 1, kv_heads, g, 8) * keys).sum(-1)  # [b, t + 1, kv, g]
+  scores = np.where(np.concatenate([mask, np.ones((b, 1), bool)], 1)[:, :, None, None],
+                    scores, -np.inf)
+  probs = np.exp(scores - scores.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  want = (probs[..., None] * values).sum(1).reshape(b, cfg.q_dim)
+  attend = lambda *a: np.asarray(attention.attend_decode(  # noqa: E731
+      *(jnp.asarray(x) for x in a), jnp.asarray(mask), cfg=cfg, standalone=standalone))
+  np.testing.assert_allclose(attend(q, k_new, v_new, kc, vc), want, rtol=1e-5, atol=1e-6)
+  if standalone:
+    half = [x.astype(np.float16) for x in (q, k_new, v_new, kc, vc)]
+    got = attend(*half)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), attend(*(x.astype(np.float32)
+                                                               for x in half)),
+                               rtol=1e-3, atol=1e-3)
