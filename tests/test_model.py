@@ -83,7 +83,7 @@ def test_prefill_attention_in_chunks_equals_the_full_square(kv_heads, s, chunks)
 @pytest.mark.parametrize('standalone', [False, True])
 def test_decode_attention_equals_the_reference(kv_heads, t, standalone):
   """One new token per sequence over its masked cache and itself, for position counts below,
-  at and between multiples of attention.POSITION_CHUNK (the runs the values are summed in), in
+  at and between multiples of attention.POSITION_RUN (the runs the values are summed in), in
   both forms (in a layer step; standalone on the CPU backend), float32 exactly up to rounding;
   a float16 cache and query on the CPU backend within float16's rounding of the result."""
   from flexjax.config import ModelConfig

@@ -9,7 +9,6 @@ rows (the device, or the CPU backend next to a host cache). Queries arrive scale
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 
@@ -158,11 +157,11 @@ def halving_sum(x: jax.Array, axis: int) -> jax.Array:
   return jnp.squeeze(x, axis)
 
 
-POSITION_CHUNK = 16
+POSITION_RUN = 16
 
 
 def sum_positions(x: jax.Array, axis: int) -> jax.Array:
-  """x summed over its positions `axis`: each run of POSITION_CHUNK positions summed by halving,
+  """x summed over its positions `axis`: each run of POSITION_RUN positions summed by halving,
   then the runs' sums (and the positions past the last whole run) added up.
 
   XLA:CPU's speed here hangs on the form of the sum (measured, opt-1.3b, 16 sequences, 528
@@ -171,11 +170,11 @@ def sum_positions(x: jax.Array, axis: int) -> jax.Array:
   21 ms: the plain sum's slow form again); one sequence at 544 positions 8.5 ms summed plainly,
   0.27 ms so."""
   n = x.shape[axis]
-  whole = n // POSITION_CHUNK * POSITION_CHUNK
+  whole = n // POSITION_RUN * POSITION_RUN
   if not whole:
     return jnp.sum(x, axis=axis)
   runs = jax.lax.slice_in_dim(x, 0, whole, axis=axis)
-  runs = runs.reshape(*x.shape[:axis], whole // POSITION_CHUNK, POSITION_CHUNK, *x.shape[axis + 1:])
+  runs = runs.reshape(*x.shape[:axis], whole // POSITION_RUN, POSITION_RUN, *x.shape[axis + 1:])
   out = jnp.sum(halving_sum(runs, axis + 1), axis=axis)
   if whole < n:
     out = out + jnp.sum(jax.lax.slice_in_dim(x, whole, n, axis=axis), axis=axis)
