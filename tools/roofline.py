@@ -71,9 +71,10 @@ def _grow_and_time(run_at: Callable[[int], Callable[[], Any]], *, start_n: int =
 
 
 def jax_matmul_rate(dtype: str, *, device=None, **grow) -> tuple[float, int]:
-  """(FLOP/s, n) of a square matmul in `dtype` on the jax device, summed as the engine's
-  products sum (linear.acc_dtype: float32 for 16-bit dtypes; XLA:CPU's bfloat16 products that
-  round as they sum ran at half that rate, below what the engine's prompt steps reach)."""
+  """(FLOP/s, n) of a square matmul in `dtype` on the jax device, as the engine computes its
+  products (linear.dense: 16-bit products summed in float32; XLA:CPU's bfloat16 products that
+  round as they sum ran at less than half that rate, below what the engine's prompt steps
+  reach)."""
   import functools
 
   import jax
@@ -81,7 +82,7 @@ def jax_matmul_rate(dtype: str, *, device=None, **grow) -> tuple[float, int]:
 
   from flexjax.model import linear
   device = device or jax.devices()[0]
-  f = jax.jit(functools.partial(jnp.matmul, preferred_element_type=linear.acc_dtype(dtype)))
+  f = jax.jit(functools.partial(linear.dense, dtype=jnp.dtype(dtype)))
 
   def run_at(n):
     keys = jax.random.split(jax.random.PRNGKey(0))
