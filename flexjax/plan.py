@@ -24,7 +24,7 @@ from flexjax.diskio import BLOCK, align_up
 from flexjax.errors import FlexjaxError
 from flexjax.model import linear
 from flexjax.model import params as params_lib
-from flexjax.policy import Policy, flexgen_tiers, split_by_share
+from flexjax.policy import Policy, flexgen_tiers, share_order, split_by_share
 from flexjax.quant import Packed
 
 Path = tuple[str, ...]
@@ -151,7 +151,7 @@ class TensorSlot:
 def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
                  stage: str) -> tuple[TensorSlot, ...]:
   """Every tensor of a stage (or its parts) with its tier, by the policy's placement rule
-  (policy.split_by_share or policy.flexgen_tiers). The one walk over weight bytes in flexjax."""
+  (policy.share_order and policy.split_by_share, or policy.flexgen_tiers). The one walk over weight bytes in flexjax."""
   shapes = stage_shapes(cfg, stage)
   stored = {path: _stored_bytes(policy, sizes, shape) for path, shape in shapes.items()}
   if policy.placement == 'flexgen':
@@ -163,7 +163,9 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
         parts[path] = [(tier, 0, shapes[path][0])]
     order = [path for group in flexgen_groups(stage, shapes) for path in group]
   else:
-    order = sorted(shapes)
+    paths = sorted(shapes)
+    order = [paths[i] for i in share_order([stored[p] for p in paths], policy.w_gpu_percent,
+                                           policy.w_cpu_percent)]
     split = split_by_share([stored[p] for p in order], [shapes[p][0] for p in order],
                            policy.w_gpu_percent, policy.w_cpu_percent)
     parts = dict(zip(order, split))
