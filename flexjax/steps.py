@@ -150,8 +150,10 @@ class Steps:
     self.embed = jax.jit(functools.partial(model.embed, **kw))
     self.head = jax.jit(functools.partial(head_sample, **kw),
                         static_argnames=('temperature', 'top_p'))
+    attend = attention.prefill_dtype(self.compute, device.platform)
     prefill = lambda options: jax.jit(  # noqa: E731
-        functools.partial(prefill_layer, **layer_kw), static_argnames=('device_rows',),
+        functools.partial(prefill_layer, **layer_kw, attend_dtype=attend),
+        static_argnames=('device_rows',),
         donate_argnums=(2,), compiler_options=options)
     self.prefill_layer = prefill(None)
     # On a CPU backend, long float32 prompt steps run their products in oneDNN (`uses_library`;
@@ -169,7 +171,8 @@ class Steps:
     self.offloaded_select = jax.jit(functools.partial(attention.decode_select, **attend_kw),
                                     static_argnames=('keep',))
     # Whole-prompt scoring (Engine.score), weight loading and placing.
-    self.prefill = jax.jit(functools.partial(model.decoder_prefill, **kw, cache_dtype=self.cache))
+    self.prefill = jax.jit(functools.partial(model.decoder_prefill, **kw, cache_dtype=self.cache,
+                                             attend_dtype=attend))
     self.quantize = jax.jit(functools.partial(quant_lib.quantize, config=policy.quant))
     self.write_kv = jax.jit(_write, donate_argnums=(0,))
     self.dequantize = jax.jit(lambda p: quant_lib.unpack(p, self.compute))
@@ -377,7 +380,7 @@ def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, tempera
 
 
 def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, cache_dtype,
-                  cache_quant: QuantConfig | None, device_rows: int):
+                  cache_quant: QuantConfig | None, device_rows: int, attend_dtype=None):
   """A prefill step of one layer with its cache writes.
 
   Args:
@@ -387,8 +390,8 @@ def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, c
     (y [b, s, hidden], caches with positions [0, s) written, (K, V) entries of the other rows
     [b - d, s, entry] for the host and disk tiers, or None).
   """
-  y, (k, v) = layers(cfg).decoder_prefill(params, x, mask, cfg=cfg,
-                                          compute_dtype=compute_dtype, cache_dtype=cache_dtype)
+  y, (k, v) = layers(cfg).decoder_prefill(params, x, mask, cfg=cfg, compute_dtype=compute_dtype,
+                                          cache_dtype=cache_dtype, attend_dtype=attend_dtype)
   entries = tuple(_entries(a, cache_quant) for a in (k, v))  # [b, s, entry]
   return (y, *_store(caches, entries, 0, device_rows))
 

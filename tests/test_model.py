@@ -78,6 +78,29 @@ def test_prefill_attention_in_chunks_equals_the_full_square(kv_heads, s, chunks)
                                atol=1e-5)  # float32 sums of up to 260 terms in another order
 
 
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_prefill_attention_computes_in_the_dtype_it_is_given(dtype):
+  """16-bit q, k, v attended in float32 (a CPU backend's prefill_dtype) give the float32
+  result of the same values, rounded once, in the inputs' dtype."""
+  from flexjax.config import ModelConfig
+  from flexjax.model import attention
+  cfg = ModelConfig(name='t', family='llama', num_layers=1, hidden_size=32, num_heads=4, ffn_dim=64,
+                    vocab_size=100, max_positions=512, num_kv_heads=2)
+  rng = np.random.default_rng(1)
+  b, s = 2, 70
+  q, k, v = (jnp.asarray(rng.standard_normal((b, s, n)), dtype)
+             for n in (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
+  mask = np.ones((b, s), bool)
+  mask[1, :5] = False
+  got = attention.prefill_attend(q, k, v, jnp.asarray(mask), cfg, dtype=jnp.float32)
+  assert got.dtype == jnp.dtype(dtype)
+  want = attention.prefill_attend(*(a.astype(jnp.float32) for a in (q, k, v)), jnp.asarray(mask),
+                                  cfg)
+  np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(want.astype(dtype))[mask])
+  assert attention.prefill_dtype(jnp.bfloat16, 'cpu') == jnp.float32
+  assert attention.prefill_dtype(jnp.bfloat16, 'gpu') == jnp.bfloat16
+
+
 @pytest.mark.parametrize('kv_heads', [4, 2])
 @pytest.mark.parametrize('t', [5, 16, 37, 64])
 @pytest.mark.parametrize('standalone', [False, True])

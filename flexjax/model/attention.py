@@ -54,7 +54,7 @@ PREFILL_ITEMS = 4  # (sequence, KV head) items per call of prefill attention's l
 
 
 def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                   cfg: ModelConfig, chunk: int | None = None) -> jax.Array:
+                   cfg: ModelConfig, chunk: int | None = None, dtype=None) -> jax.Array:
   """Causal attention of whole prompts over themselves, `chunk` query positions at a time (each
   chunk attends only to the positions up to its last: about half the work of the full square).
 
@@ -67,11 +67,14 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     q: [b, s, q_dim] (scaled); k, v: [b, s, kv_dim] in q's dtype.
     mask: [b, s] bool, True for real tokens (prompts are left-padded).
     chunk: query positions per chunk (default: prefill_chunk(s)).
+    dtype: what it computes in (default q's; see prefill_dtype).
   Returns:
     [b, s, q_dim] attention output (before the output projection), in q's dtype. A padding
     position (no real token at or before it) gets some average of values: nothing reads it.
   """
   b, s = q.shape[:2]
+  out_dtype = q.dtype
+  q, k, v = (a.astype(dtype or out_dtype) for a in (q, k, v))
   kv, g, d = cfg.kv_heads, cfg.num_heads // cfg.kv_heads, cfg.head_dim
   chunk = chunk or prefill_chunk(s)
   # Head-major once per layer: an item's products read contiguous [positions, head_dim] blocks.
@@ -93,7 +96,15 @@ def prefill_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [g, s, d]
 
   out = jax.lax.map(item, (qi, ki, vi, mi), batch_size=min(PREFILL_ITEMS, b * kv))
-  return out.reshape(b, kv, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, -1)
+  return out.reshape(b, kv, g, s, d).transpose(0, 3, 1, 2, 4).reshape(b, s, -1).astype(out_dtype)
+
+
+def prefill_dtype(dtype, platform: str):
+  """The dtype prompt attention computes in: float32 on a CPU backend, else `dtype`. XLA:CPU
+  computes 16-bit arithmetic and transposes by converting around every operation: an opt-1.3b
+  bfloat16 prompt step of 32 x 128 attended in 207 ms against 93 ms converting q, k and v to
+  float32 first (the whole layer step 693 -> 558 ms)."""
+  return jnp.float32 if platform == 'cpu' else dtype
 
 
 def prefill_chunk(s: int) -> int:

@@ -71,12 +71,14 @@ def _mlp_block(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def decoder_prefill(params: Params, x: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
-                    compute_dtype, cache_dtype):
+                    compute_dtype, cache_dtype, attend_dtype=None):
   """One decoder layer over whole prompts.
 
   Args:
     x: [b, s, hidden] hidden states.
     mask: [b, s] bool, True for real tokens (prompts are left-padded).
+    attend_dtype: what the attention computes in (attention.prefill_dtype; default
+      compute_dtype).
   Returns:
     (y [b, s, hidden], (k, v)) with k, v: [b, s, hidden] in cache_dtype.
   """
@@ -88,7 +90,7 @@ def decoder_prefill(params: Params, x: jax.Array, mask: jax.Array, *, cfg: Model
   # Attend to K/V as the cache will hold them, so prefill and decode read the same values.
   k, v = k.astype(cache_dtype), v.astype(cache_dtype)
   attn = attention.prefill_attend(q, k.astype(compute_dtype), v.astype(compute_dtype), mask,
-                                  cfg)
+                                  cfg, dtype=attend_dtype)
   x = x + linear.layer(p['o'], attn)
   if not cfg.do_layer_norm_before:
     x = layer_norm(ln, x, cfg.layer_norm_eps)
