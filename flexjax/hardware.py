@@ -327,7 +327,8 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
     args = [jax.device_put(np.ones((rows, positions, hidden), compute), device)
             for _ in range(3)]
     mask = jax.device_put(np.ones((rows, positions), bool), device)
-    f = jax.jit(functools.partial(attention.prefill_attend, cfg=probe_cfg))
+    f = jax.jit(functools.partial(attention.prefill_attend, cfg=probe_cfg,
+                                  dtype=attention.prefill_dtype(compute, device.platform)))
     f(*args, mask).block_until_ready()
     seconds = best_seconds(lambda: f(*args, mask).block_until_ready())
     bar.update(1)

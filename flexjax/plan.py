@@ -151,7 +151,8 @@ class TensorSlot:
 def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
                  stage: str) -> tuple[TensorSlot, ...]:
   """Every tensor of a stage (or its parts) with its tier, by the policy's placement rule
-  (policy.share_order and policy.split_by_share, or policy.flexgen_tiers). The one walk over weight bytes in flexjax."""
+  (policy.share_order then policy.split_by_share, or policy.flexgen_tiers). The one walk over
+  weight bytes in flexjax."""
   shapes = stage_shapes(cfg, stage)
   stored = {path: _stored_bytes(policy, sizes, shape) for path, shape in shapes.items()}
   if policy.placement == 'flexgen':
