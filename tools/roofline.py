@@ -74,7 +74,8 @@ def jax_matmul_rate(dtype: str, *, device=None, **grow) -> tuple[float, int]:
   """(FLOP/s, n) of a square matmul in `dtype` on the jax device, as the engine computes its
   products (linear.dense: 16-bit products summed in float32; XLA:CPU's bfloat16 products that
   round as they sum ran at less than half that rate, below what the engine's prompt steps
-  reach)."""
+  reach). Where the engine compiles long prompt steps with oneDNN's products
+  (linear.in_library: float32 on a CPU backend), the faster of XLA's own and oneDNN's."""
   import functools
 
   import jax
@@ -84,13 +85,18 @@ def jax_matmul_rate(dtype: str, *, device=None, **grow) -> tuple[float, int]:
   device = device or jax.devices()[0]
   f = jax.jit(functools.partial(linear.dense, dtype=jnp.dtype(dtype)))
 
-  def run_at(n):
+  def run_at(n, options=None):
     keys = jax.random.split(jax.random.PRNGKey(0))
     a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device)
             for k in keys)
-    return lambda: f(a, b).block_until_ready()
+    compiled = f.lower(a, b).compile(options)
+    return lambda: compiled(a, b).block_until_ready()
 
-  return _grow_and_time(run_at, **grow)
+  rates = [_grow_and_time(run_at, **grow)]
+  if linear.in_library(device.platform, dtype, linear.LIBRARY_ROWS):
+    rates.append(_grow_and_time(functools.partial(run_at, options=linear.library_options()),
+                                **grow))
+  return max(rates)
 
 
 def torch_matmul_rate(dtype: str, **grow) -> tuple[float, int]:
