@@ -47,12 +47,12 @@ def test_half_precision_compute_stays_close(pre_ln, compute_dtype):
 
 
 @pytest.mark.parametrize('kv_heads,s,chunks', [(4, 11, (1, 3, 4)), (2, 11, (1, 3, 4)),
-                                               (2, 260, (None, 100))])
+                                               (2, 260, (None, 100)), (4, 600, (None,))])
 def test_prefill_attention_in_chunks_equals_the_full_square(kv_heads, s, chunks):
   """Chunks of query positions attend only up to their last position; every real position gets
   what attention over the whole causal square gives it (padding positions are never read).
   260 positions: the default chunks (prefill_chunk: 64, the last one short) and 6 items, not a
-  multiple of attention.PREFILL_ITEMS."""
+  multiple of attention.PREFILL_ITEMS; 600: chunks of 128, the last one short."""
   from flexjax.config import ModelConfig
   from flexjax.model import attention
   cfg = ModelConfig(name='t', family='llama', num_layers=1, hidden_size=32, num_heads=4, ffn_dim=64,

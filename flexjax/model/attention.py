@@ -108,10 +108,12 @@ def prefill_dtype(dtype, platform: str):
 
 
 def prefill_chunk(s: int) -> int:
-  """Query positions per chunk of a prompt of s: 64 (on XLA:CPU the fastest or within 10% of
-  it for 8-32 prompts of 128 and 512 tokens), more for long prompts to keep the program at
-  <= 16 chunks."""
-  return max(64, -(-s // 16))
+  """Query positions per chunk of a prompt of s: 64 below 512 positions, 128 from 512, more for
+  long prompts to keep the program at <= 16 chunks. On XLA:CPU (2 cores, float32, chunks of
+  32-512 timed): opt-1.3b 32 x 128 64 is the fastest (116 ms; 128: 140); 16 x 256 64 and 128
+  within 2%; 16 x 512 128 (314-331 ms against 403 for 64 and 394 for 256); 8 x 1024 128-256
+  (468 against 593 for 64); 2 x 2048 128-256 (389-394; 512: 421)."""
+  return max(-(-s // 16), 128 if s >= 512 else 64)
 
 
 def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: ModelConfig,
