@@ -138,8 +138,8 @@ def test_share_order_puts_whole_tensors_below_each_boundary_and_cuts_the_smalles
 @pytest.mark.parametrize('gpu,cpu', [(0, 53), (0, 43), (0, 15), (20, 80), (5, 1), (0, 57)])
 def test_exact_placement_cuts_no_tensor_larger_than_an_attention_matrix(gpu, cpu):
   # the tensors a boundary cuts are joined at every load; in alphabetical order fc1 or fc2
-  # (4x larger) were cut at each of these shares (the greedy order cannot always avoid it:
-  # at 33/33/34 the host boundary falls in fc1 whichever way)
+  # (4x larger) were cut at each of these shares (not always avoidable: at 33/33/34 no order
+  # keeps both boundaries out of fc1 and fc2)
   cfg = config_lib.preset('opt-1.3b')
   layout = plan_lib.stage_layout(cfg, Policy(w_gpu_percent=gpu, w_cpu_percent=cpu), SIZES,
                                  'layer_000')
