@@ -12,9 +12,10 @@ from absl import flags
 from flexjax import flags as flags_lib
 from tools import memcheck
 from tools import suite
+from tools import transfer_probe
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ['env', 'transfers', 'fp16', 'memcheck', 'phases', 'suite', 'tests']
+STEPS = ['env', 'transfers', 'writeback', 'fp16', 'memcheck', 'phases', 'suite', 'tests']
 
 
 def run_recorded(tmp_path, seconds: int, sleep: float = 0) -> tuple[list[str], list[list[str]]]:
@@ -77,6 +78,11 @@ def test_what_it_runs_exists(tmp_path):
   for case in cases:
     if case['system'] == 'flexgen':
       assert case['policy'] in flexjax_policies
+  # the transfer probe's flags parse
+  probe = flags.FlagValues()
+  transfer_probe.define_flags(probe)
+  probe(['transfer_probe', *by_module['tools.transfer_probe']])
+  assert probe.mib == 256
   # the phase tool runs once with jax's default allocator, once growing
   assert [a for a in argvs if a[:2] == ['-m', 'tools.phase_memory']] == [
       ['-m', 'tools.phase_memory']] * 2

@@ -14,6 +14,8 @@
 # (with memcheck.jsonl, suite.jsonl and suite.md: five files, which a lent machine hands back):
 #   env        python, jax, the device and its memory kinds, torch's CUDA, FlexGen
 #   transfers  host -> device GB/s of 1 GiB from pageable numpy and from pinned host memory
+#   writeback  tools.transfer_probe: a prompt step's offloaded rows (256 MiB) device -> host and
+#              back by each method the engine could use (pageable, through pinned memory, dlpack)
 #   fp16       opt-1.3b with weights 30/70 on device/host pinned: the default compute dtype on
 #              a GPU (float16), host memory kind, memory_stats peak against the plan
 #   memcheck   tools.memcheck's GPU-relevant cases: memory_stats peak <= plan per case
@@ -79,6 +81,8 @@ for kind in kinds:
   print(f"{name} -> device: {transfer_rate(host, d, kind) / 1e9:.1f} GB/s")
 if len(kinds) == 1:
   print("no pinned host memory offered")'
+
+step writeback 45 "$py" -m tools.transfer_probe --mib=256
 
 step fp16 90 "$py" -m flexjax.main --model=opt-1.3b --weights=dummy --prompt_len=512 --gen_len=8 \
   --num_prompts=16 --gpu_batch_size=8 --num_gpu_batches=2 --w_gpu_percent=30 --w_cpu_percent=70 \
