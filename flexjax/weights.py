@@ -42,8 +42,8 @@ class DummyWeights:
     return params_lib.dummy_stage(self.config, stage, self._np_dtype, self._seed)
 
   def fingerprint(self) -> str:
-    text = json.dumps({'model': self.config.to_dict(), 'dtype': self.dtype, 'seed': self._seed},
-                      sort_keys=True)
+    text = json.dumps({'model': self.config.to_dict(), 'dtype': self.dtype, 'seed': self._seed,
+                       'chunk': params_lib.DUMMY_CHUNK}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
   def stream_folder(self, cache_dir: Path) -> Path:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -10,6 +13,9 @@ from flexjax.config import ModelConfig, ShapeTree
 
 # A stage's parameters: nested dicts of host numpy arrays, mirroring ModelConfig's shape trees.
 HostParams = dict[str, Any]
+
+# Values per independently seeded chunk of a dummy tensor (4 MiB of float32: a core's cache).
+DUMMY_CHUNK = 1 << 20
 
 
 def map_shapes(fn: Callable[[tuple[str, ...], tuple[int, ...]], Any], shapes: ShapeTree,
@@ -70,22 +76,33 @@ def layer_name(index: int) -> str:
   return f'layer_{index:03d}'
 
 
-def dummy_stage(cfg: ModelConfig, stage: str, dtype: np.dtype, seed: int) -> HostParams:
+def dummy_stage(cfg: ModelConfig, stage: str, dtype: np.dtype, seed: int, *,
+                workers: int | None = None) -> HostParams:
   """Random but deterministic parameters of one stage, created without touching other stages.
 
-  LayerNorm scales are 1 and biases 0.02-scaled noise; matrices are uniform with std 0.02 (the
-  OPT initialisation scale), so activations stay in a realistic range through deep models.
+  LayerNorm scales are 1; every other tensor is uniform with std 0.02 (the OPT initialisation
+  scale), so activations stay in a realistic range through deep models. Each tensor is filled in
+  chunks of DUMMY_CHUNK values, each chunk from its own generator seeded by (seed, stage, tensor,
+  chunk): the values do not depend on `workers`, the threads that fill the chunks (default: one
+  per core; numpy's generators and casts run outside the GIL). An opt-6.7b layer in float16 on
+  the 2-core CPU: 120-190 M values/s as whole tensors from one generator, 450-500 so.
   """
-  stage_seed = list(seed.to_bytes(8, 'little')) + list(stage.encode())
-  rng = np.random.default_rng(stage_seed)
   half_width = np.float32(0.02 * np.sqrt(3.0))
+  out = flatten(map_shapes(lambda path, shape: np.ones(shape, dtype) if path[-1] == 'scale'
+                           else np.empty(shape, dtype), stage_shapes(cfg, stage)))
+  jobs = [(path, chunk) for path, array in out.items() if path[-1] != 'scale'
+          for chunk in range(-(-array.size // DUMMY_CHUNK))]
 
-  def init(path: tuple[str, ...], shape: tuple[int, ...]) -> np.ndarray:
-    if path[-1] == 'scale':
-      return np.ones(shape, dtype)
-    values = rng.random(shape, dtype=np.float32)
+  def fill(job: tuple[tuple[str, ...], int]) -> None:
+    path, chunk = job
+    name = hashlib.sha256('/'.join((stage, *path)).encode()).digest()[:16]
+    rng = np.random.default_rng([seed, int.from_bytes(name, 'little'), chunk])
+    part = out[path].reshape(-1)[chunk * DUMMY_CHUNK:(chunk + 1) * DUMMY_CHUNK]
+    values = rng.random(part.size, dtype=np.float32)
     values *= 2 * half_width
     values -= half_width
-    return values.astype(dtype, copy=False)
+    part[...] = values
 
-  return map_shapes(init, stage_shapes(cfg, stage))
+  with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+    list(pool.map(fill, jobs))
+  return unflatten(out)
