@@ -403,7 +403,12 @@ class Mover:
       return hidden.device
     rows_bytes = hidden.offloaded_rows * length * hidden.shape[2] * hidden.dtype.itemsize
     self._hold(held, 'host', rows_bytes, 'hidden.staging')
-    rows = hidden.read_offloaded(length)  # fresh and private: the CPU backend takes it as is
+    if self.device_is_host or hidden.rows['disk']:
+      rows = hidden.read_offloaded(length)  # fresh and private: the CPU backend takes it as is
+    else:  # an accelerator copies from the host rows themselves, next overwritten only by the
+      # write-back of the step that reads this copy
+      hidden.wait()  # the last write-back of these rows has landed
+      rows = hidden.host[:, :length]
     joined = hidden.rows['device'] > 0
     device_bytes = rows_bytes + (hidden.shape[0] * length * hidden.shape[2]
                                  * hidden.dtype.itemsize if joined else 0)
@@ -465,7 +470,8 @@ class Mover:
     their host and disk tiers at time `slot`, on the store thread."""
     with self.clock.part('cache_write'):
       cache.wait()
-      cache.pending = self.workers['store'].submit(cache.write_offloaded_rows, rows, slot)
+      cache.pending = self.workers['store'].submit(cache.write_offloaded_rows,
+                                                   self.storage.to_host(rows), slot)
       self._pending_stores[-1].append(cache.pending)
 
   def store_hidden(self, hidden: SplitArray, value: jax.Array) -> None:
@@ -476,5 +482,6 @@ class Mover:
       hidden.device = self.clock.ready(value if d == value.shape[0] else
                                        (value[:d] if d else None))
       if hidden.offloaded_rows:
-        hidden.pending = self.workers['store'].submit(hidden.write_offloaded, value, 0)
+        hidden.pending = self.workers['store'].submit(
+            hidden.write_offloaded_rows, self.storage.to_host(value[d:] if d else value), 0)
         self._pending_stores[-1].append(hidden.pending)

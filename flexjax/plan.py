@@ -422,8 +422,9 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
                else (kept * row if policy.attn_sparsity < 1 else 0) * off_cache, inputs_alive,
                ('decode',), 'offloaded KV rows copied to the device for attention (with '
                'cpu_attention, the V rows sparse attention keeps)'),
-        Buffer('store.host_copy', 'host', s * (2 * row * off_cache + hid * off_act), 1, RUN,
-               'offloaded rows of a step copied to RAM for write-back'),
+        Buffer('store.host_copy', 'host', s * (2 * row * off_cache + hid * off_act),
+               steps_alive, RUN, 'offloaded rows of the steps in flight copied to RAM for '
+               'write-back (the copies start when a step is dispatched)'),
     ]
   if shape.return_logits:
     out.append(Buffer('logits', 'host', g * b * shape.gen_len * cfg.vocab_size * 4, 1, RUN,

@@ -254,6 +254,18 @@ class Storage:
     out[...] = 0
     return out
 
+  def to_host(self, value: jax.Array):
+    """Starts copying a device array to host memory; returns what np.asarray turns into its
+    bytes. On an accelerator with pinned host memory: one DMA into a pinned buffer, issued now
+    (behind the step that computes `value`), whose numpy view is the bytes: jax's copy into
+    pageable memory goes through a staging buffer at a fraction of the link's rate. Elsewhere
+    `value` itself (on a CPU backend np.asarray views it without a copy)."""
+    if (self.host_memory is None or self.device.platform == 'cpu'
+        or value.devices() != {self.device}):
+      return value
+    pinned = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.host_memory)
+    return jax.device_put(value, pinned)
+
   def host_weights(self, array: np.ndarray, pool: str):
     """A copy of `array` on the host tier: in the run's pinned host memory (a jax array the
     device copies by DMA) when it has one, else an aligned numpy buffer."""
@@ -340,11 +352,12 @@ class SplitArray:
   def write_offloaded(self, value: jax.Array, start: int) -> None:
     """Writes rows d: of value [batch, n, ...] into time [start, start+n) of host and disk."""
     if self.offloaded_rows:
-      self.write_offloaded_rows(value[self.rows['device']:], start)
+      d = self.rows['device']
+      self.write_offloaded_rows(self.storage.to_host(value[d:] if d else value), start)
 
   def write_offloaded_rows(self, rows, start: int) -> None:
-    """Writes the offloaded rows' entries [offloaded rows, n, ...] into time [start, start+n)
-    of host and disk."""
+    """Writes the offloaded rows' entries [offloaded rows, n, ...] (a device array, or its copy
+    started by Storage.to_host) into time [start, start+n) of host and disk."""
     host_value = np.asarray(rows)  # device -> host
     n = host_value.shape[1]
     h = self.rows['host']

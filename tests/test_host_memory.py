@@ -25,6 +25,11 @@ POLICIES = {
     'weights_on_host_cpu_attention': Policy(gpu_batch_size=4, w_gpu_percent=0,
                                             w_cpu_percent=100, cache_gpu_percent=0,
                                             cache_cpu_percent=100, cpu_attention=True),
+    # on an accelerator their write-back goes through pinned host memory (Storage.to_host)
+    'cache_and_hidden_states_on_host': Policy(gpu_batch_size=2, num_gpu_batches=2,
+                                              w_gpu_percent=50, w_cpu_percent=50,
+                                              cache_gpu_percent=25, cache_cpu_percent=75,
+                                              act_gpu_percent=0, act_cpu_percent=100),
 }
 
 
