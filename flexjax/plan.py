@@ -424,7 +424,7 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
                'cpu_attention, the V rows sparse attention keeps)'),
         Buffer('store.host_copy', 'host', s * (2 * row * off_cache + hid * off_act),
                steps_alive, RUN, 'offloaded rows of the steps in flight copied to RAM for '
-               'write-back (the copies start when a step is dispatched)'),
+               'write-back (into pinned memory as each step is dispatched, Storage.to_host)'),
     ]
   if shape.return_logits:
     out.append(Buffer('logits', 'host', g * b * shape.gen_len * cfg.vocab_size * 4, 1, RUN,

@@ -85,7 +85,7 @@ def dummy_stage(cfg: ModelConfig, stage: str, dtype: np.dtype, seed: int, *,
   chunks of DUMMY_CHUNK values, each chunk from its own generator seeded by (seed, stage, tensor,
   chunk): the values do not depend on `workers`, the threads that fill the chunks (default: one
   per core; numpy's generators and casts run outside the GIL). An opt-6.7b layer in float16 on
-  the 2-core CPU: 120-190 M values/s as whole tensors from one generator, 450-500 so.
+  the 2-core CPU: 120-190 M values/s as whole tensors from one generator, 450-500 in chunks.
   """
   half_width = np.float32(0.02 * np.sqrt(3.0))
   out = flatten(map_shapes(lambda path, shape: np.ones(shape, dtype) if path[-1] == 'scale'
