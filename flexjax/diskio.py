@@ -33,19 +33,21 @@ class DiskFile:
   else buffered (then `drop_page_cache` drops what was read from the page cache)."""
 
   def __init__(self, path: str | os.PathLike, *, writable: bool = False,
-               drop_page_cache: bool = False):
+               drop_page_cache: bool = False, direct: bool = True):
     self.path = Path(path)
-    mode = os.O_RDWR if writable else os.O_RDONLY
-    self.direct = hasattr(os, 'O_DIRECT')
-    self.why_buffered = '' if self.direct else 'this OS has no O_DIRECT'
+    self.mode = os.O_RDWR if writable else os.O_RDONLY
+    self.direct = direct and hasattr(os, 'O_DIRECT')
+    self.why_buffered = ('' if self.direct else 'not asked for' if not direct
+                         else 'this OS has no O_DIRECT')
     try:
-      self.fd = os.open(self.path, mode | getattr(os, 'O_DIRECT', 0))
+      self.fd = os.open(self.path, self.mode | (os.O_DIRECT if self.direct else 0))
     except OSError as e:
       if e.errno != errno.EINVAL:  # EINVAL: the filesystem refuses direct I/O (e.g. tmpfs)
         raise FlexjaxError(f'cannot open {str(self.path)!r} ({e.strerror}); check that it exists '
                            'and is readable') from None
-      self.fd = os.open(self.path, mode)
+      self.fd = os.open(self.path, self.mode)
       self.direct, self.why_buffered = False, 'O_DIRECT refused (EINVAL)'
+    self.drop_page_cache_asked = drop_page_cache
     self.drop_page_cache = drop_page_cache and not self.direct
 
   def read_into(self, view: memoryview, offset: int) -> None:
@@ -68,10 +70,26 @@ class DiskFile:
     if self.drop_page_cache:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
+  def write_from(self, view: memoryview, offset: int) -> None:
+    """Writes `view` at byte `offset` (direct writes: aligned offset, length and buffer; a
+    refusal mid-run is retried buffered)."""
+    while len(view):
+      try:
+        n = os.pwritev(self.fd, [view], offset)
+      except OSError as e:
+        if e.errno != errno.EINVAL or not self.direct:
+          raise FlexjaxError(f'write of {str(self.path)!r} at byte {offset} failed '
+                             f'({e.strerror})') from None
+        self._reopen_buffered()
+        self.why_buffered = 'O_DIRECT writes refused (EINVAL)'
+        continue
+      view, offset = view[n:], offset + n
+
   def _reopen_buffered(self) -> None:
-    fd = os.open(self.path, os.O_RDONLY)
+    fd = os.open(self.path, self.mode)
     os.close(self.fd)
     self.fd, self.direct = fd, False
+    self.drop_page_cache = self.drop_page_cache_asked
 
   def close(self) -> None:
     if self.fd is not None:

@@ -4,6 +4,7 @@ folder), each with a byte budget and current/peak accounting; and arrays split a
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import tempfile
@@ -14,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from flexjax import diskio
 from flexjax.errors import FlexjaxError
 
 TIERS = ('device', 'host', 'disk')
@@ -43,6 +45,9 @@ class TierAccount:
       self.current -= nbytes
 
 
+DISK_IO_THREADS = 3  # threads reading the row ranges of the KV cache and hidden states on disk
+
+
 def aligned_empty(shape, dtype, alignment: int = 4096) -> np.ndarray:
   """An uninitialised array whose data starts on an `alignment`-byte boundary (the CPU backend
   then takes it without a copy, and direct I/O can read into it)."""
@@ -54,28 +59,43 @@ def aligned_empty(shape, dtype, alignment: int = 4096) -> np.ndarray:
 
 
 class DiskArray:
-  """A fixed-shape array in a file, read and written with pread/pwrite on one open handle.
+  """A fixed-shape array [rows, time, ...] in a file, its entries read and written at their
+  byte ranges on one handle opened for the run.
 
-  Reads return fresh host arrays. With drop_page_cache, each access is followed by
-  posix_fadvise(DONTNEED) so later reads really hit the disk. The file's space is reserved
-  up front (posix_fallocate), so a full disk is an error here, not a signal mid-run.
+  Where an entry's bytes are a multiple of the direct-I/O block (diskio.BLOCK), the handle is
+  O_DIRECT: no page cache, and a read's row ranges go to `pool`'s threads in requests of up to
+  diskio.CHUNK bytes, at the disk's rate. Elsewhere (or where the filesystem refuses direct
+  I/O) it is buffered, and with drop_page_cache each access is followed by
+  posix_fadvise(DONTNEED) (a write synced first) so that later reads really hit the disk. Reads
+  return fresh aligned host arrays. The file's space is reserved up front (posix_fallocate),
+  so a full disk is an error here, not a signal mid-run.
   """
 
-  def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype, drop_page_cache: bool):
+  def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype, drop_page_cache: bool,
+               pool: concurrent.futures.Executor | None = None):
     self.path = path
     self.shape = tuple(shape)
     self.dtype = np.dtype(dtype)
     self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
     self._drop = drop_page_cache
-    self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    if self.nbytes:
-      try:
-        os.posix_fallocate(self._fd, 0, self.nbytes)
-      except OSError as e:
-        os.close(self._fd)
-        self._fd = None
-        raise FlexjaxError(f'cannot reserve {self.nbytes:,} bytes in {path.parent} ({e.strerror});'
-                           ' free disk space there or point --offload_dir elsewhere') from None
+    self._pool = pool
+    self._entry = int(np.prod(self.shape[2:])) * self.dtype.itemsize
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+      if self.nbytes:
+        os.posix_fallocate(fd, 0, self.nbytes)
+    except OSError as e:
+      raise FlexjaxError(f'cannot reserve {self.nbytes:,} bytes in {path.parent} ({e.strerror});'
+                         ' free disk space there or point --offload_dir elsewhere') from None
+    finally:
+      os.close(fd)
+    self._file: diskio.DiskFile | None = diskio.DiskFile(
+        path, writable=True, direct=self._entry % diskio.BLOCK == 0)
+
+  @property
+  def direct(self) -> bool:
+    """Whether its reads and writes bypass the page cache (O_DIRECT)."""
+    return self._file is not None and self._file.direct
 
   def _segments(self, index: Any) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
     """Shape and (byte offset, byte length) runs of `index`: `...`, or (slice rows, slice time)."""
@@ -84,24 +104,32 @@ class DiskArray:
     rows, time = (*index, slice(None))[:2]
     rows = range(*rows.indices(self.shape[0]))
     start, stop, _ = time.indices(self.shape[1])
-    per_time = int(np.prod(self.shape[2:])) * self.dtype.itemsize
-    per_row = self.shape[1] * per_time
-    runs = [(r * per_row + start * per_time, (stop - start) * per_time) for r in rows]
+    per_row = self.shape[1] * self._entry
+    runs = [(r * per_row + start * self._entry, (stop - start) * self._entry) for r in rows]
     return (len(rows), stop - start, *self.shape[2:]), runs
 
+  def _staged(self, array: np.ndarray) -> np.ndarray:
+    """`array` (C-contiguous) itself, or an aligned copy where direct I/O needs one."""
+    if self.direct and array.ctypes.data % diskio.BLOCK:
+      copy = aligned_empty(array.shape, array.dtype)
+      copy[...] = array
+      return copy
+    return array
+
   def write(self, index: Any, value: np.ndarray) -> None:
-    if not self.nbytes or self._fd is None:
+    if not self.nbytes or self._file is None:
       return
     shape, runs = self._segments(index)
-    data = np.ascontiguousarray(np.broadcast_to(np.asarray(value, self.dtype), shape))
+    data = self._staged(np.ascontiguousarray(
+        np.broadcast_to(np.asarray(value, self.dtype), shape)))
     flat = memoryview(data.reshape(-1).view(np.uint8))
     done = 0
     for offset, length in runs:
-      _pwrite_all(self._fd, flat[done:done + length], offset)
+      self._file.write_from(flat[done:done + length], offset)
       done += length
-    if self._drop:
-      os.fdatasync(self._fd)  # dirty pages must reach the disk before they can be dropped
-      os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if self._drop and not self.direct:
+      os.fdatasync(self._file.fd)  # dirty pages must reach the disk before they can be dropped
+      os.posix_fadvise(self._file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
   def read(self, index: Any = ..., out: np.ndarray | None = None) -> np.ndarray:
     """A fresh array of the entries at `index` (or those entries read into `out`, a C-contiguous
@@ -112,54 +140,48 @@ class DiskArray:
     if isinstance(index, tuple) and not isinstance(index[0], slice):
       return self._gather(*index)
     shape, runs = self._segments(index)
-    if out is None:
-      out = aligned_empty(shape, self.dtype)
-    if not self.nbytes or self._fd is None:
-      out[...] = 0
-      return out
-    flat = memoryview(out.reshape(-1).view(np.uint8))
-    done = 0
+    target = aligned_empty(shape, self.dtype) if out is None else out
+    if not self.nbytes or self._file is None:
+      target[...] = 0
+      return target
+    into = self._staged(target) if self.direct else target
+    flat = memoryview(into.reshape(-1).view(np.uint8))
+    pieces, done = [], 0
     for offset, length in runs:
-      _pread_all(self._fd, flat[done:done + length], offset)
+      for start in range(0, length, diskio.CHUNK):
+        size = min(diskio.CHUNK, length - start)
+        pieces.append((flat[done + start:done + start + size], offset + start))
       done += length
+    if self._pool is None or len(pieces) == 1:
+      for view, offset in pieces:
+        self._file.read_into(view, offset)
+    else:
+      diskio.wait([self._pool.submit(self._file.read_into, view, offset)
+                   for view, offset in pieces])
+    if into is not target:
+      target[...] = into
     self._after_read()
-    return out
+    return target
 
   def _gather(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Entries at (rows [n, 1], positions [n, k]) -> [n, k, ...] (one read per entry)."""
     rows, positions = np.broadcast_arrays(np.asarray(rows), np.asarray(positions))
     out = aligned_empty((*rows.shape, *self.shape[2:]), self.dtype)
-    per_time = int(np.prod(self.shape[2:])) * self.dtype.itemsize
     flat = memoryview(out.reshape(-1).view(np.uint8))
     for i, (r, p) in enumerate(zip(rows.reshape(-1), positions.reshape(-1))):
-      offset = (int(r) * self.shape[1] + int(p)) * per_time
-      _pread_all(self._fd, flat[i * per_time:(i + 1) * per_time], offset)
+      offset = (int(r) * self.shape[1] + int(p)) * self._entry
+      self._file.read_into(flat[i * self._entry:(i + 1) * self._entry], offset)
     self._after_read()
     return out
 
   def _after_read(self) -> None:
-    if self._drop:
-      os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if self._drop and not self.direct:
+      os.posix_fadvise(self._file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
   def close(self) -> None:
-    if self._fd is not None:
-      os.close(self._fd)
-      self._fd = None
-
-
-def _pread_all(fd: int, view: memoryview, offset: int) -> None:
-  while len(view):
-    n = os.preadv(fd, [view], offset)
-    if n <= 0:
-      raise FlexjaxError(f'short read at byte {offset} of an offload file; the file was changed '
-                         'or truncated by another process')
-    view, offset = view[n:], offset + n
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-  while len(view):
-    n = os.pwritev(fd, [view], offset)
-    view, offset = view[n:], offset + n
+    if self._file is not None:
+      self._file.close()
+      self._file = None
 
 
 class Storage:
@@ -189,6 +211,7 @@ class Storage:
     self._run_dir: Path | None = None
     self._files = 0
     self._lock = threading.Lock()
+    self._disk_io: concurrent.futures.ThreadPoolExecutor | None = None  # disk arrays' reads
 
   def __enter__(self) -> 'Storage':
     return self
@@ -197,6 +220,9 @@ class Storage:
     self.close()
 
   def close(self) -> None:
+    if self._disk_io is not None:
+      self._disk_io.shutdown(wait=True)
+      self._disk_io = None
     if self._run_dir is not None:
       shutil.rmtree(self._run_dir, ignore_errors=True)
       self._run_dir = None
@@ -283,9 +309,11 @@ class Storage:
     with self._lock:
       self._files += 1
       number = self._files
+      if self._disk_io is None:
+        self._disk_io = concurrent.futures.ThreadPoolExecutor(DISK_IO_THREADS, 'flexjax-disk')
     try:
       return DiskArray(self.run_dir / f'{number:06d}.bin', tuple(shape), dtype,
-                       self.drop_page_cache)
+                       self.drop_page_cache, self._disk_io)
     except FlexjaxError:
       self.free('disk', int(np.prod(shape)) * dtype.itemsize, pool)
       raise

@@ -118,6 +118,66 @@ def test_disk_array_of_zero_size(tmp_path, shape, dtype):
   assert array.read((slice(None), slice(0, 0))).shape == (shape[0], 0, *shape[2:])
 
 
+def o_direct_flag(fd: int) -> bool:
+  """Whether the kernel holds `fd` open with O_DIRECT (its /proc fdinfo flags, octal)."""
+  import os
+  for line in open(f'/proc/self/fdinfo/{fd}'):
+    if line.startswith('flags:'):
+      return bool(int(line.split()[1], 8) & os.O_DIRECT)
+  raise AssertionError('no flags line')
+
+
+@pytest.mark.parametrize('with_pool', [False, True])
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_disk_arrays_of_block_sized_entries_bypass_the_page_cache(tmp_path, dtype, with_pool):
+  """Entries of 4 KiB (an opt-6.7b K or V entry is 8 or 16): direct reads and writes, row ranges
+  read by the pool's threads; the same bytes as the buffered path in every access the mover
+  makes (prompt and token writes, partial reads, a caller's unaligned buffer, gathers)."""
+  b, t, h = 3, 7, 4096 // np.dtype(dtype).itemsize
+  with ThreadPoolExecutor(3) as pool:
+    array = DiskArray(tmp_path / 'a.bin', (b, t, h), dtype, True, pool if with_pool else None)
+    if array.direct:  # what the kernel says, where the filesystem takes O_DIRECT
+      assert o_direct_flag(array._file.fd)
+    else:
+      assert 'EINVAL' in array._file.why_buffered and not o_direct_flag(array._file.fd)
+    expected = np.zeros((b, t, h), dtype)
+    full = random_array((b, t, h), dtype, seed=5)
+    for start, stop in [(0, 4), (5, 6), (4, 5)]:
+      array.write((slice(None), slice(start, stop)), full[:, start:stop])
+      expected[:, start:stop] = full[:, start:stop]
+    np.testing.assert_array_equal(array.read(), expected)
+    for start, stop in [(0, 6), (2, 5), (6, 7)]:
+      np.testing.assert_array_equal(array.read((slice(None), slice(start, stop))),
+                                    expected[:, start:stop])
+    unaligned = np.empty(b * 5 * h + 1, dtype)[1:].reshape(b, 5, h)
+    assert array.read((slice(None), slice(0, 5)), out=unaligned) is unaligned
+    np.testing.assert_array_equal(unaligned, expected[:, :5])
+    positions = np.array([[3, 0], [5, 5], [1, 4]], np.int32)
+    np.testing.assert_array_equal(array.read((np.arange(b)[:, None], positions)),
+                                  np.take_along_axis(expected, positions[:, :, None], axis=1))
+    array.close()
+
+
+def test_a_long_row_range_is_read_in_chunks_by_the_pool(tmp_path):
+  from flexjax import diskio
+
+  class Counting(ThreadPoolExecutor):
+    submitted = 0
+
+    def submit(self, *args, **kwargs):
+      Counting.submitted += 1
+      return super().submit(*args, **kwargs)
+
+  t = diskio.CHUNK // 4096 + 5  # one row's range: more than one request
+  with Counting(3) as pool:
+    array = DiskArray(tmp_path / 'a.bin', (2, t, 1024), np.float32, False, pool)
+    value = random_array((2, t, 1024), np.float32, seed=6)
+    array.write(..., value)
+    np.testing.assert_array_equal(array.read((slice(None), slice(0, t))), value)
+    array.close()
+  assert Counting.submitted == 4  # two rows, two requests each
+
+
 # ---- SplitArray ----------------------------------------------------------------------------------
 
 
