@@ -86,9 +86,12 @@ class DiskFile:
       view, offset = view[n:], offset + n
 
   def _reopen_buffered(self) -> None:
+    """The same descriptor number, now for a buffered open of the file (dup2 swaps it in one
+    step, so other threads' requests on it go on without a closed descriptor)."""
     fd = os.open(self.path, self.mode)
-    os.close(self.fd)
-    self.fd, self.direct = fd, False
+    os.dup2(fd, self.fd)
+    os.close(fd)
+    self.direct = False
     self.drop_page_cache = self.drop_page_cache_asked
 
   def close(self) -> None:

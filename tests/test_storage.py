@@ -158,6 +158,38 @@ def test_disk_arrays_of_block_sized_entries_bypass_the_page_cache(tmp_path, dtyp
     array.close()
 
 
+def test_direct_io_refused_mid_run_goes_on_buffered_on_the_same_descriptor(tmp_path,
+                                                                          monkeypatch):
+  """A filesystem that refuses a direct request (EINVAL) after the open: the request is retried
+  buffered, the descriptor number stays the same (threads holding it go on), the bytes land."""
+  import errno
+  import os
+  array = DiskArray(tmp_path / 'a.bin', (2, 4, 1024), np.float32, True)
+  if not array.direct:
+    pytest.skip('this filesystem refuses O_DIRECT at open')
+  fd = array._file.fd
+  refused = {'pwritev': 0, 'preadv': 0}
+  real = {name: getattr(os, name) for name in refused}
+
+  def refusing(name):
+    def call(descriptor, buffers, offset):
+      if o_direct_flag(descriptor):
+        refused[name] += 1
+        raise OSError(errno.EINVAL, 'Invalid argument')
+      return real[name](descriptor, buffers, offset)
+    return call
+
+  monkeypatch.setattr(os, 'pwritev', refusing('pwritev'))
+  value = random_array((2, 4, 1024), np.float32, seed=7)
+  array.write(..., value)
+  assert refused['pwritev'] == 1 and not array.direct and array._file.fd == fd
+  assert not o_direct_flag(fd) and 'writes refused' in array._file.why_buffered
+  monkeypatch.setattr(os, 'preadv', refusing('preadv'))
+  np.testing.assert_array_equal(array.read(), value)
+  assert refused['preadv'] == 0  # buffered now: nothing more to refuse
+  array.close()
+
+
 def test_a_long_row_range_is_read_in_chunks_by_the_pool(tmp_path):
   from flexjax import diskio
 
