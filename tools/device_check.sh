@@ -15,7 +15,7 @@
 #   env        python, jax, the device and its memory kinds, torch's CUDA, FlexGen
 #   transfers  host -> device GB/s of 1 GiB from pageable numpy and from pinned host memory
 #   writeback  tools.transfer_probe: a prompt step's offloaded rows (256 MiB) device -> host and
-#              back by each method the engine could use (pageable, through pinned memory, dlpack)
+#              back by each method the engine could use (pageable, through pinned memory)
 #   fp16       opt-1.3b with weights 30/70 on device/host pinned: the default compute dtype on
 #              a GPU (float16), host memory kind, memory_stats peak against the plan
 #   memcheck   tools.memcheck's GPU-relevant cases: memory_stats peak <= plan per case

@@ -9,8 +9,8 @@ block of --mib MiB of float16 rows, and checks that every method delivers the so
 
   to host (the write-back, into an already touched host array as the host cache is):
     asarray         np.asarray(device array) into a fresh numpy buffer, then copied in
-    pinned+asarray  jax.device_put to pinned_host memory (DMA), np.asarray of that, copied in
-    pinned+dlpack   the same, the pinned buffer viewed with np.from_dlpack (no second copy)
+    pinned+asarray  jax.device_put to pinned_host memory (DMA), np.asarray of that (on an
+                    accelerator a view of the pinned buffer), copied in: the engine's path
   to device (the read-back of offloaded rows):
     fresh           the rows copied into a fresh aligned buffer, then jax.device_put
     reused          jax.device_put of an aligned buffer touched before (no page faults)
@@ -60,7 +60,6 @@ def _methods(device, rows: np.ndarray) -> dict[str, dict[str, Callable[[], np.nd
     own = SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
     staged = lambda: jax.device_put(on_device, pinned).block_until_ready()
     to_host['pinned+asarray'] = lambda: write(np.asarray(staged()))
-    to_host['pinned+dlpack'] = lambda: write(np.from_dlpack(staged()))
     to_device['via pinned'] = lambda: _fetch(
         jax.device_put(jax.device_put(reused, pinned), own))
   return {'to_host': to_host, 'to_device': to_device}
