@@ -52,37 +52,31 @@ class DiskFile:
 
   def read_into(self, view: memoryview, offset: int) -> None:
     """Fills `view` from byte `offset`. Direct reads need an aligned offset, length and buffer;
-    a filesystem refusing one mid-run (EINVAL) is retried buffered on a second handle."""
-    while len(view):
-      try:
-        n = os.preadv(self.fd, [view], offset)
-      except OSError as e:
-        if e.errno != errno.EINVAL or not self.direct:
-          raise FlexjaxError(f'read of {str(self.path)!r} at byte {offset} failed '
-                             f'({e.strerror})') from None
-        self._reopen_buffered()
-        self.why_buffered = 'O_DIRECT reads refused (EINVAL)'
-        continue
-      if n <= 0:
-        raise FlexjaxError(f'short read at byte {offset} of {str(self.path)!r}; the file was '
-                           'changed or truncated by another process')
-      view, offset = view[n:], offset + n
+    a filesystem refusing one mid-run (EINVAL) is retried buffered."""
+    self._transfer(os.preadv, 'read', view, offset)
     if self.drop_page_cache:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
   def write_from(self, view: memoryview, offset: int) -> None:
     """Writes `view` at byte `offset` (direct writes: aligned offset, length and buffer; a
     refusal mid-run is retried buffered)."""
+    self._transfer(os.pwritev, 'write', view, offset)
+
+  def _transfer(self, call, what: str, view: memoryview, offset: int) -> None:
+    """All of `view` through `call` (os.preadv or os.pwritev) from byte `offset` on."""
     while len(view):
       try:
-        n = os.pwritev(self.fd, [view], offset)
+        n = call(self.fd, [view], offset)
       except OSError as e:
         if e.errno != errno.EINVAL or not self.direct:
-          raise FlexjaxError(f'write of {str(self.path)!r} at byte {offset} failed '
+          raise FlexjaxError(f'{what} of {str(self.path)!r} at byte {offset} failed '
                              f'({e.strerror})') from None
         self._reopen_buffered()
-        self.why_buffered = 'O_DIRECT writes refused (EINVAL)'
+        self.why_buffered = f'O_DIRECT {what}s refused (EINVAL)'
         continue
+      if n <= 0:
+        raise FlexjaxError(f'short {what} at byte {offset} of {str(self.path)!r}; the file was '
+                           'changed or truncated by another process')
       view, offset = view[n:], offset + n
 
   def _reopen_buffered(self) -> None:
