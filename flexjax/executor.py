@@ -158,14 +158,17 @@ class Executor:
           stage_outputs.append(output)
           if released is not None:
             releases.append(released)
-          while len(releases) > 1:
-            releases.pop(0).result()
           if overlap and n + 1 < len(steps):
+            # The next step's inputs start loading now, before the step before this one has
+            # finished: the two steps in flight and the one loading hold inputs (plan's
+            # inputs_alive), and the disk never waits for the compute to read a step's cache.
             inputs[steps[n + 1]] = mover.workers['load'].submit(mover.load_inputs, steps[n + 1],
                                                                 batches[steps[n + 1].batch])
           elif not overlap:
             jax.block_until_ready(output)
             batch.hidden.wait()
+          while len(releases) > 1:
+            releases.pop(0).result()
         if step.batch == len(batches) - 1:
           previous_stage_out = output
         if step.stage == self.num_stages - 1 and step.batch == len(batches) - 1:
