@@ -387,10 +387,11 @@ class Mover:
       k_cache, v_cache = batch.caches[layer]
       if k_cache.offloaded_rows:  # sparse attention reads V later, only the rows it keeps
         dense = self.policy.attn_sparsity == 1
+        written = batch.tokens.shape[1] + step.token - 1  # positions cached before this token
         with self.clock.part('cache_read'):
           out['cache'] = self.clock.ready((
-              self._read_cache(k_cache, 'k_cache', out['held']),
-              self._read_cache(v_cache, 'v_cache', out['held']) if dense else None))
+              self._read_cache(k_cache, 'k_cache', written, out['held']),
+              self._read_cache(v_cache, 'v_cache', written, out['held']) if dense else None))
     return out
 
   def _hold(self, held: list, tier: str, nbytes: int, pool: str) -> None:
@@ -418,17 +419,20 @@ class Mover:
       return jnp.concatenate([hidden.device, loaded])
     return loaded
 
-  def _read_cache(self, cache: SplitArray, name: str, held: list):
-    """Offloaded cache rows: on the CPU backend (CPU attention) or the device. The CPU backend
-    reads host rows where they lie (plan.cache_read_in_place); the rest read into a copy."""
+  def _read_cache(self, cache: SplitArray, name: str, written: int, held: list):
+    """Offloaded cache rows [rows, t, entry]: on the CPU backend (CPU attention) or the device.
+    The CPU backend reads host rows where they lie (plan.cache_read_in_place); the rest are
+    read into a copy, their first `written` positions only (the others are zeros: not yet
+    written, and masked)."""
     if plan_lib.cache_read_in_place(self.policy, self.device_is_host, cache.rows['disk']):
       cache.wait()
       rows = cache.host
+      self.stats['bytes_moved'][name] += rows.nbytes
     else:
       nbytes = cache.offloaded_rows * cache.shape[1] * cache.shape[2] * cache.dtype.itemsize
       self._hold(held, 'host', nbytes, 'cache.staging')
-      rows = cache.read_offloaded(cache.shape[1])
-    self.stats['bytes_moved'][name] += rows.nbytes
+      rows = cache.read_offloaded(written, padded_to=cache.shape[1])
+      self.stats['bytes_moved'][name] += nbytes * written // cache.shape[1]
     if self.policy.cpu_attention:
       return jax.device_put(rows, self.steps.cpu)
     if not self.device_is_host:  # rows read in place only get here on a CPU device

@@ -46,6 +46,10 @@ class TierAccount:
 
 
 DISK_IO_THREADS = 3  # threads reading the row ranges of the KV cache and hidden states on disk
+# Threads writing them: a decode step writes one entry per row, each its own small request,
+# which waits behind the weight stream's large reads in the disk's queue; in parallel they wait
+# about once (18 rows of 16 KiB beside a full-speed read: 65 ms one after another, 11 at once).
+DISK_WRITE_THREADS = 8
 
 
 def aligned_empty(shape, dtype, alignment: int = 4096) -> np.ndarray:
@@ -64,7 +68,8 @@ class DiskArray:
 
   Where an entry's bytes are a multiple of the direct-I/O block (diskio.BLOCK), the handle is
   O_DIRECT: no page cache, and a read's row ranges go to `pool`'s threads in requests of up to
-  diskio.CHUNK bytes, at the disk's rate. Elsewhere (or where the filesystem refuses direct
+  diskio.CHUNK bytes, at the disk's rate, a write's to `writers`' threads (all at once, so
+  small ones wait in the disk's queue about once). Elsewhere (or where the filesystem refuses direct
   I/O) it is buffered, and with drop_page_cache each access is followed by
   posix_fadvise(DONTNEED) (a write synced first) so that later reads really hit the disk. Reads
   return fresh aligned host arrays. The file's space is reserved up front (posix_fallocate),
@@ -72,13 +77,15 @@ class DiskArray:
   """
 
   def __init__(self, path: Path, shape: tuple[int, ...], dtype: np.dtype, drop_page_cache: bool,
-               pool: concurrent.futures.Executor | None = None):
+               pool: concurrent.futures.Executor | None = None,
+               writers: concurrent.futures.Executor | None = None):
     self.path = path
     self.shape = tuple(shape)
     self.dtype = np.dtype(dtype)
     self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
     self._drop = drop_page_cache
     self._pool = pool
+    self._writers = writers
     self._entry = int(np.prod(self.shape[2:])) * self.dtype.itemsize
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -108,6 +115,25 @@ class DiskArray:
     runs = [(r * per_row + start * self._entry, (stop - start) * self._entry) for r in rows]
     return (len(rows), stop - start, *self.shape[2:]), runs
 
+  def _views(self, array: np.ndarray, runs: list[tuple[int, int]]) -> list[memoryview] | None:
+    """Byte views of `array` that receive `runs` in turn: consecutive ranges of a C-contiguous
+    array, or one row each of an array whose rows are contiguous (the leading time range of
+    longer rows). None where neither holds, or where direct I/O needs an aligned address that
+    a view lacks."""
+    if array.flags.c_contiguous:
+      bases = [array.ctypes.data]
+      flat = memoryview(array.reshape(-1).view(np.uint8))
+      starts = np.cumsum([0] + [length for _, length in runs]).tolist()
+      views = [flat[a:a + length] for a, (_, length) in zip(starts, runs)]
+    elif len(array) == len(runs) and all(row.flags.c_contiguous for row in array):
+      bases = [row.ctypes.data for row in array]
+      views = [memoryview(row.reshape(-1).view(np.uint8)) for row in array]
+    else:
+      return None
+    if self.direct and any(base % diskio.BLOCK for base in bases):
+      return None
+    return views
+
   def _staged(self, array: np.ndarray) -> np.ndarray:
     """`array` (C-contiguous) itself, or an aligned copy where direct I/O needs one."""
     if self.direct and array.ctypes.data % diskio.BLOCK:
@@ -122,18 +148,14 @@ class DiskArray:
     shape, runs = self._segments(index)
     data = self._staged(np.ascontiguousarray(
         np.broadcast_to(np.asarray(value, self.dtype), shape)))
-    flat = memoryview(data.reshape(-1).view(np.uint8))
-    done = 0
-    for offset, length in runs:
-      self._file.write_from(flat[done:done + length], offset)
-      done += length
+    self._transfer(self._file.write_from, self._writers, self._views(data, runs), runs)
     if self._drop and not self.direct:
       os.fdatasync(self._file.fd)  # dirty pages must reach the disk before they can be dropped
       os.posix_fadvise(self._file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
   def read(self, index: Any = ..., out: np.ndarray | None = None) -> np.ndarray:
-    """A fresh array of the entries at `index` (or those entries read into `out`, a C-contiguous
-    array of their shape)."""
+    """A fresh array of the entries at `index` (or those entries read into `out`, an array of
+    their shape, C-contiguous or with contiguous rows)."""
     if isinstance(index, tuple) and len(index) == 1 and isinstance(index[0], (int, np.integer)):
       row = int(index[0])
       return self.read((slice(row, row + 1), slice(None)))[0]
@@ -144,24 +166,30 @@ class DiskArray:
     if not self.nbytes or self._file is None:
       target[...] = 0
       return target
-    into = self._staged(target) if self.direct else target
-    flat = memoryview(into.reshape(-1).view(np.uint8))
-    pieces, done = [], 0
-    for offset, length in runs:
-      for start in range(0, length, diskio.CHUNK):
-        size = min(diskio.CHUNK, length - start)
-        pieces.append((flat[done + start:done + start + size], offset + start))
-      done += length
-    if self._pool is None or len(pieces) == 1:
-      for view, offset in pieces:
-        self._file.read_into(view, offset)
-    else:
-      diskio.wait([self._pool.submit(self._file.read_into, view, offset)
-                   for view, offset in pieces])
+    views = self._views(target, runs)
+    into = target
+    if views is None:
+      into = aligned_empty(shape, self.dtype)
+      views = self._views(into, runs)
+    self._transfer(self._file.read_into, self._pool, views, runs)
     if into is not target:
       target[...] = into
     self._after_read()
     return target
+
+  @staticmethod
+  def _transfer(call, pool: concurrent.futures.Executor | None, views: list[memoryview],
+                runs: list[tuple[int, int]]) -> None:
+    """call(view, offset) for each run in requests of at most diskio.CHUNK bytes: on `pool`'s
+    threads at once where there is more than one, else in turn."""
+    pieces = [(view[start:start + diskio.CHUNK], offset + start)
+              for (offset, length), view in zip(runs, views)
+              for start in range(0, length, diskio.CHUNK)]
+    if pool is None or len(pieces) == 1:
+      for view, offset in pieces:
+        call(view, offset)
+    else:
+      diskio.wait([pool.submit(call, view, offset) for view, offset in pieces])
 
   def _gather(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Entries at (rows [n, 1], positions [n, k]) -> [n, k, ...] (one read per entry)."""
@@ -212,6 +240,7 @@ class Storage:
     self._files = 0
     self._lock = threading.Lock()
     self._disk_io: concurrent.futures.ThreadPoolExecutor | None = None  # disk arrays' reads
+    self._disk_writes: concurrent.futures.ThreadPoolExecutor | None = None  # and their writes
 
   def __enter__(self) -> 'Storage':
     return self
@@ -220,9 +249,10 @@ class Storage:
     self.close()
 
   def close(self) -> None:
-    if self._disk_io is not None:
-      self._disk_io.shutdown(wait=True)
-      self._disk_io = None
+    for pool in (self._disk_io, self._disk_writes):
+      if pool is not None:
+        pool.shutdown(wait=True)
+    self._disk_io = self._disk_writes = None
     if self._run_dir is not None:
       shutil.rmtree(self._run_dir, ignore_errors=True)
       self._run_dir = None
@@ -311,9 +341,11 @@ class Storage:
       number = self._files
       if self._disk_io is None:
         self._disk_io = concurrent.futures.ThreadPoolExecutor(DISK_IO_THREADS, 'flexjax-disk')
+        self._disk_writes = concurrent.futures.ThreadPoolExecutor(DISK_WRITE_THREADS,
+                                                                  'flexjax-disk-write')
     try:
       return DiskArray(self.run_dir / f'{number:06d}.bin', tuple(shape), dtype,
-                       self.drop_page_cache, self._disk_io)
+                       self.drop_page_cache, self._disk_io, self._disk_writes)
     except FlexjaxError:
       self.free('disk', int(np.prod(shape)) * dtype.itemsize, pool)
       raise
@@ -394,18 +426,22 @@ class SplitArray:
     if self.disk is not None:
       self.disk.write((slice(None), slice(start, start + n)), host_value[h:])
 
-  def read_offloaded(self, length: int) -> np.ndarray | None:
+  def read_offloaded(self, length: int, padded_to: int | None = None) -> np.ndarray | None:
     """A fresh host copy (aligned, never written again) of the offloaded rows' time range
-    [0, length): host rows copied, disk rows read into it."""
+    [0, length), followed by zeros up to `padded_to` positions where given (a cache's
+    positions not yet written, which its readers mask: not read): host rows copied, disk rows
+    read into it."""
     self.wait()
     if not self.offloaded_rows:
       return None
     h = self.rows['host']
-    out = aligned_empty((self.offloaded_rows, length, *self.shape[2:]), self.dtype)
+    total = length if padded_to is None else padded_to
+    out = aligned_empty((self.offloaded_rows, total, *self.shape[2:]), self.dtype)
+    out[:, length:] = 0
     if self.host is not None:
-      out[:h] = self.host[:, :length]
+      out[:h, :length] = self.host[:, :length]
     if self.disk is not None:
-      self.disk.read((slice(None), slice(0, length)), out=out[h:])
+      self.disk.read((slice(None), slice(0, length)), out=out[h:, :length])
     return out
 
   def read_offloaded_rows(self, positions: np.ndarray) -> np.ndarray:

@@ -135,7 +135,8 @@ def test_disk_arrays_of_block_sized_entries_bypass_the_page_cache(tmp_path, dtyp
   makes (prompt and token writes, partial reads, a caller's unaligned buffer, gathers)."""
   b, t, h = 3, 7, 4096 // np.dtype(dtype).itemsize
   with ThreadPoolExecutor(3) as pool:
-    array = DiskArray(tmp_path / 'a.bin', (b, t, h), dtype, True, pool if with_pool else None)
+    array = DiskArray(tmp_path / 'a.bin', (b, t, h), dtype, True, pool if with_pool else None,
+                      pool if with_pool else None)
     if array.direct:  # what the kernel says, where the filesystem takes O_DIRECT
       assert o_direct_flag(array._file.fd)
     else:
@@ -210,6 +211,38 @@ def test_a_long_row_range_is_read_in_chunks_by_the_pool(tmp_path):
   assert Counting.submitted == 4  # two rows, two requests each
 
 
+def test_a_token_write_sends_every_row_at_once_to_the_writers(tmp_path):
+  """Decode's write of one position per row: one request per row, all on the writers' threads
+  (none waits for another's turn in the disk's queue), each landing at its row."""
+  started, release = [], threading.Event()
+
+  class Gated(ThreadPoolExecutor):
+    def submit(self, fn, *args):
+      def gated():
+        started.append(args[1])
+        assert release.wait(TIMEOUT_S)
+        return fn(*args)
+      return super().submit(gated)
+
+  b, t, h = 6, 5, 1024
+  value = random_array((b, 1, h), np.float32, seed=9)
+  with Gated(b) as writers:
+    array = DiskArray(tmp_path / 'a.bin', (b, t, h), np.float32, False, None, writers)
+    done = threading.Thread(target=array.write, args=((slice(None), slice(3, 4)), value))
+    done.start()
+    for _ in range(TIMEOUT_S * 100):  # every row's request under way before any finishes
+      if len(started) == b:
+        break
+      threading.Event().wait(0.01)
+    assert sorted(started) == [(r * t + 3) * h * 4 for r in range(b)]
+    release.set()
+    done.join(TIMEOUT_S)
+    expected = np.zeros((b, t, h), np.float32)
+    expected[:, 3:4] = value
+    np.testing.assert_array_equal(array.read(), expected)
+    array.close()
+
+
 # ---- SplitArray ----------------------------------------------------------------------------------
 
 
@@ -256,6 +289,35 @@ def test_split_array_token_by_token_writes(tmp_path, rows, dtype):
       np.testing.assert_array_equal(split.read_offloaded(slot + 1),
                                     offloaded_of(expected, rows)[:, :slot + 1])
     np.testing.assert_array_equal(split.read_offloaded(t), offloaded_of(full, rows))
+    split.close()
+
+
+@pytest.mark.parametrize('entry', [6, 1024], ids=['buffered', 'direct-sized'])
+@pytest.mark.parametrize('rows', SPLITS, ids=SPLIT_IDS)
+def test_a_cache_read_takes_the_written_positions_and_zeros_the_rest(tmp_path, monkeypatch,
+                                                                       rows, entry):
+  """Decode reads a cache's first `written` positions into a buffer of all t (the rest
+  masked): the positions past them come back zero, whatever the file and the reused memory
+  hold there, and the disk rows' reads cover the written positions only."""
+  b, t = 4, 9
+  full = random_array((b, t, entry), np.float32, seed=8)
+  with Storage(cpu(), offload_dir=tmp_path) as storage:
+    split = make_split(storage, rows, (b, t, entry), np.float32)
+    split.write_offloaded(jnp.asarray(full), 0)  # every position holds a non-zero value
+    read_bytes = []
+    if split.disk is not None:
+      real = split.disk._file.read_into
+      monkeypatch.setattr(split.disk._file, 'read_into',
+                          lambda view, offset: (read_bytes.append(len(view)), real(view, offset)))
+    for written in (1, 5, t - 1, t):
+      read_bytes.clear()
+      np.full(rows['host'] * t * entry + 4096, 7.0, np.float32)  # freed: garbage to reuse
+      out = split.read_offloaded(written, padded_to=t)
+      expected = offloaded_of(full, rows).copy()
+      expected[:, written:] = 0
+      assert out.shape == (split.offloaded_rows, t, entry)
+      np.testing.assert_array_equal(out, expected)
+      assert sum(read_bytes) == rows['disk'] * written * entry * 4
     split.close()
 
 
