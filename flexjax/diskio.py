@@ -130,12 +130,29 @@ class Reader:
   def read(self, file: DiskFile, offset: int, out: np.ndarray) -> list[concurrent.futures.Future]:
     """Starts reading len(out) bytes from `offset` into `out` (uint8, C-contiguous). Returns
     the futures of its chunks."""
-    view = memoryview(out).cast('B')
-    return [self._pool.submit(file.read_into, view[start:start + self.chunk], offset + start)
-            for start in range(0, len(view), self.chunk)]
+    pieces = requests([(offset, memoryview(out).cast('B'))], self.chunk)
+    return [self._pool.submit(file.read_into, view, at) for view, at in pieces]
 
   def close(self) -> None:
     self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+def requests(ranges, chunk: int = CHUNK) -> list[tuple[memoryview, int]]:
+  """(view, byte offset) requests of at most `chunk` bytes covering each (offset, view) of
+  `ranges` in order."""
+  return [(view[start:start + chunk], offset + start) for offset, view in ranges
+          for start in range(0, len(view), chunk)]
+
+
+def transfer(call, pieces: list[tuple[memoryview, int]],
+             pool: concurrent.futures.Executor | None = None) -> None:
+  """call(view, offset) for every request: on `pool`'s threads at once where there is more than
+  one, else in turn; returns when all are done."""
+  if pool is None or len(pieces) == 1:
+    for view, offset in pieces:
+      call(view, offset)
+  else:
+    wait([pool.submit(call, view, offset) for view, offset in pieces])
 
 
 def wait(futures: list[concurrent.futures.Future]) -> None:

@@ -87,15 +87,8 @@ class DiskArray:
     self._pool = pool
     self._writers = writers
     self._entry = int(np.prod(self.shape[2:])) * self.dtype.itemsize
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-      if self.nbytes:
-        os.posix_fallocate(fd, 0, self.nbytes)
-    except OSError as e:
-      raise FlexjaxError(f'cannot reserve {self.nbytes:,} bytes in {path.parent} ({e.strerror});'
-                         ' free disk space there or point --offload_dir elsewhere') from None
-    finally:
-      os.close(fd)
+    os.close(diskio.reserve_file(path, self.nbytes, what='the run\'s offloaded arrays',
+                                 fix='free disk space there or point --offload_dir elsewhere'))
     self._file: diskio.DiskFile | None = diskio.DiskFile(
         path, writable=True, direct=self._entry % diskio.BLOCK == 0)
 
@@ -148,7 +141,7 @@ class DiskArray:
     shape, runs = self._segments(index)
     data = self._staged(np.ascontiguousarray(
         np.broadcast_to(np.asarray(value, self.dtype), shape)))
-    self._transfer(self._file.write_from, self._writers, self._views(data, runs), runs)
+    self._transfer(self._file.write_from, self._writers, runs, self._views(data, runs))
     if self._drop and not self.direct:
       os.fdatasync(self._file.fd)  # dirty pages must reach the disk before they can be dropped
       os.posix_fadvise(self._file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -171,25 +164,20 @@ class DiskArray:
     if views is None:
       into = aligned_empty(shape, self.dtype)
       views = self._views(into, runs)
-    self._transfer(self._file.read_into, self._pool, views, runs)
+    self._transfer(self._file.read_into, self._pool, runs, views)
     if into is not target:
       target[...] = into
     self._after_read()
     return target
 
   @staticmethod
-  def _transfer(call, pool: concurrent.futures.Executor | None, views: list[memoryview],
-                runs: list[tuple[int, int]]) -> None:
-    """call(view, offset) for each run in requests of at most diskio.CHUNK bytes: on `pool`'s
-    threads at once where there is more than one, else in turn."""
-    pieces = [(view[start:start + diskio.CHUNK], offset + start)
-              for (offset, length), view in zip(runs, views)
-              for start in range(0, length, diskio.CHUNK)]
-    if pool is None or len(pieces) == 1:
-      for view, offset in pieces:
-        call(view, offset)
-    else:
-      diskio.wait([pool.submit(call, view, offset) for view, offset in pieces])
+  def _transfer(call, pool: concurrent.futures.Executor | None, runs: list[tuple[int, int]],
+                views: list[memoryview]) -> None:
+    """call(view, offset) for each run (byte offset, length) into or from the first `length`
+    bytes of its view, in requests of at most diskio.CHUNK bytes, on `pool`'s threads at once
+    (diskio.transfer)."""
+    diskio.transfer(call, diskio.requests(
+        [(offset, view[:length]) for (offset, length), view in zip(runs, views)]), pool)
 
   def _gather(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Entries at (rows [n, 1], positions [n, k]) -> [n, k, ...] (one read per entry)."""
