@@ -127,21 +127,26 @@ class DiskArray:
       return None
     return views
 
-  def _staged(self, array: np.ndarray) -> np.ndarray:
-    """`array` (C-contiguous) itself, or an aligned copy where direct I/O needs one."""
-    if self.direct and array.ctypes.data % diskio.BLOCK:
-      copy = aligned_empty(array.shape, array.dtype)
-      copy[...] = array
-      return copy
-    return array
+  def _io_target(self, array: np.ndarray, runs: list[tuple[int, int]],
+                 fill: bool) -> tuple[np.ndarray, list[memoryview]]:
+    """`array` and its views for `runs` (see _views) where it can take part in the I/O as it
+    is, else an aligned C-contiguous array of its shape (holding a copy of it when `fill`,
+    for a write) and that array's views; a read copies such a stand-in back."""
+    views = self._views(array, runs)
+    if views is not None:
+      return array, views
+    stand_in = aligned_empty(array.shape, array.dtype)
+    if fill:
+      stand_in[...] = array
+    return stand_in, self._views(stand_in, runs)
 
   def write(self, index: Any, value: np.ndarray) -> None:
     if not self.nbytes or self._file is None:
       return
     shape, runs = self._segments(index)
-    data = self._staged(np.ascontiguousarray(
-        np.broadcast_to(np.asarray(value, self.dtype), shape)))
-    self._transfer(self._file.write_from, self._writers, runs, self._views(data, runs))
+    data = np.broadcast_to(np.asarray(value, self.dtype), shape)
+    _, views = self._io_target(data, runs, fill=True)
+    self._transfer(self._file.write_from, self._writers, runs, views)
     if self._drop and not self.direct:
       os.fdatasync(self._file.fd)  # dirty pages must reach the disk before they can be dropped
       os.posix_fadvise(self._file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -159,11 +164,7 @@ class DiskArray:
     if not self.nbytes or self._file is None:
       target[...] = 0
       return target
-    views = self._views(target, runs)
-    into = target
-    if views is None:
-      into = aligned_empty(shape, self.dtype)
-      views = self._views(into, runs)
+    into, views = self._io_target(target, runs, fill=False)
     self._transfer(self._file.read_into, self._pool, runs, views)
     if into is not target:
       target[...] = into
