@@ -18,6 +18,7 @@ import numpy as np
 from flexjax import diskio
 from flexjax import plan as plan_lib
 from flexjax import quant as quant_lib
+from flexjax import storage as storage_lib
 from flexjax import stream as stream_lib
 from flexjax.model import params as params_lib
 from flexjax.placement import Placed
@@ -122,6 +123,36 @@ class BufferPool:
                                      if isinstance(a, jax.Array)]))
 
 
+class CacheStaging:
+  """Host buffers a decode step's offloaded KV rows are read into, reused from step to step
+  (within a block every read has one shape). Positions past the written ones must read as
+  zeros: a fresh buffer is zeroed there, faulted in by the kernel as it goes, which on a CPU
+  busy computing took longer than the disk read it precedes (opt-6.7b, 48 rows x 127 positions:
+  60 ms or more per buffer); a reused one holds zeros past its last read's positions, so a read
+  clears only what a longer earlier one left there (nothing while positions grow). Buffers in
+  use are bounded by the schedule (the plan's 'cache.staging'); free ones are reused first."""
+
+  def __init__(self):
+    self._free: list[tuple[np.ndarray, int]] = []
+    self._lock = threading.Lock()
+
+  def take(self, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, int | None]:
+    """A buffer of `shape` and the position (axis 1) from which it holds zeros (None: it is
+    fresh, nothing is known)."""
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    with self._lock:
+      for i, (buffer, zeros_from) in enumerate(self._free):
+        if buffer.shape == shape and buffer.dtype == dtype:
+          del self._free[i]
+          return buffer, zeros_from
+    return storage_lib.aligned_empty(shape, dtype), None
+
+  def give_back(self, buffer: np.ndarray, zeros_from: int) -> None:
+    """`buffer` is free again; positions `zeros_from` on hold zeros."""
+    with self._lock:
+      self._free.append((buffer, zeros_from))
+
+
 def value_bytes(value):
   return value.data if isinstance(value, quant_lib.Packed) else value
 
@@ -143,7 +174,8 @@ class Mover:
 
   With overlap, three threads: 'weights' loads the next stage, 'load' the next step's offloaded
   inputs, 'store' writes offloaded results back. Loaded inputs carry a 'held' list of
-  (tier, bytes, pool) returned by release() once the step that used them has run.
+  (tier, bytes, pool) returned by release() once the step that used them has run, and a
+  'staged' list of (cache staging buffer, positions read into it) given back to the pool then.
   """
 
   def __init__(self, storage: Storage, steps: Steps, stages: list[Placed], policy: Policy, *,
@@ -170,6 +202,7 @@ class Mover:
     # of the stages loaded at once.
     self.joins = BufferPool(plan_lib.stages_loaded(policy.overlap) * max(
         (plan_lib.stage_join_bytes(slot for slot, _ in stage) for stage in stages), default=0))
+    self.cache_staging = CacheStaging()
     self._reads: dict[int, _StageRead | None] = {}  # stage -> its disk reads under way
     self._reads_lock = threading.Lock()
     self.workers: dict = {}
@@ -377,7 +410,7 @@ class Mover:
   def load_inputs(self, step, batch) -> dict:
     """Brings a step's offloaded hidden rows and (decode) offloaded cache rows to where the
     computation needs them. Runs on the load thread under overlap."""
-    out = {'held': []}
+    out = {'held': [], 'staged': []}
     if step.stage > 0:
       with self.clock.part('hidden_read'):
         out['hidden'] = self.clock.ready(self._read_hidden(
@@ -390,8 +423,9 @@ class Mover:
         written = batch.tokens.shape[1] + step.token - 1  # positions cached before this token
         with self.clock.part('cache_read'):
           out['cache'] = self.clock.ready((
-              self._read_cache(k_cache, 'k_cache', written, out['held']),
-              self._read_cache(v_cache, 'v_cache', written, out['held']) if dense else None))
+              self._read_cache(k_cache, 'k_cache', written, out['held'], out['staged']),
+              self._read_cache(v_cache, 'v_cache', written, out['held'], out['staged'])
+              if dense else None))
     return out
 
   def _hold(self, held: list, tier: str, nbytes: int, pool: str) -> None:
@@ -419,7 +453,7 @@ class Mover:
       return jnp.concatenate([hidden.device, loaded])
     return loaded
 
-  def _read_cache(self, cache: SplitArray, name: str, written: int, held: list):
+  def _read_cache(self, cache: SplitArray, name: str, written: int, held: list, staged: list):
     """Offloaded cache rows [rows, t, entry]: on the CPU backend (CPU attention) or the device.
     The CPU backend reads host rows where they lie (plan.cache_read_in_place); the rest are
     read into a copy, their first `written` positions only (the others are zeros: not yet
@@ -431,7 +465,11 @@ class Mover:
     else:
       nbytes = cache.offloaded_rows * cache.shape[1] * cache.shape[2] * cache.dtype.itemsize
       self._hold(held, 'host', nbytes, 'cache.staging')
-      rows = cache.read_offloaded(written, padded_to=cache.shape[1])
+      buffer, zeros_from = self.cache_staging.take(
+          (cache.offloaded_rows, *cache.shape[1:]), cache.dtype)
+      staged.append((buffer, written))  # back to the pool once the step has run
+      rows = cache.read_offloaded(written, padded_to=cache.shape[1], out=buffer,
+                                  zeros_from=zeros_from)
       self.stats['bytes_moved'][name] += nbytes * written // cache.shape[1]
     if self.policy.cpu_attention:
       return jax.device_put(rows, self.steps.cpu)
@@ -451,6 +489,8 @@ class Mover:
     """Returns the bytes a step's loaded inputs held (once)."""
     for tier, nbytes, pool in inputs.pop('held', []):
       self.storage.free(tier, nbytes, pool)
+    for buffer, zeros_from in inputs.pop('staged', []):
+      self.cache_staging.give_back(buffer, zeros_from)
 
   def release_when_ready(self, inputs: dict, outputs) -> concurrent.futures.Future:
     """Returns the inputs' bytes once `outputs` exist (on the store thread)."""

@@ -415,18 +415,26 @@ class SplitArray:
     if self.disk is not None:
       self.disk.write((slice(None), slice(start, start + n)), host_value[h:])
 
-  def read_offloaded(self, length: int, padded_to: int | None = None) -> np.ndarray | None:
-    """A fresh host copy (aligned, never written again) of the offloaded rows' time range
-    [0, length), followed by zeros up to `padded_to` positions where given (a cache's
-    positions not yet written, which its readers mask: not read): host rows copied, disk rows
-    read into it."""
+  def read_offloaded(self, length: int, padded_to: int | None = None, *,
+                     out: np.ndarray | None = None, zeros_from: int | None = None
+                     ) -> np.ndarray | None:
+    """A host copy of the offloaded rows' time range [0, length), followed by zeros up to
+    `padded_to` positions where given (a cache's positions not yet written, which its readers
+    mask: not read): host rows copied, disk rows read into it. The copy is fresh (aligned,
+    never written again), or `out` [offloaded rows, padded_to, ...] (aligned), of which
+    positions `zeros_from` on are known to be zeros already: only [length, zeros_from) is
+    cleared."""
     self.wait()
     if not self.offloaded_rows:
       return None
     h = self.rows['host']
     total = length if padded_to is None else padded_to
-    out = aligned_empty((self.offloaded_rows, total, *self.shape[2:]), self.dtype)
-    out[:, length:] = 0
+    shape = (self.offloaded_rows, total, *self.shape[2:])
+    if out is None:
+      out, zeros_from = aligned_empty(shape, self.dtype), total
+    elif out.shape != shape or out.dtype != self.dtype:
+      raise ValueError(f'out {out.shape} {out.dtype} is not {shape} {self.dtype}')
+    out[:, length:max(length, total if zeros_from is None else zeros_from)] = 0
     if self.host is not None:
       out[:h, :length] = self.host[:, :length]
     if self.disk is not None:

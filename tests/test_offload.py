@@ -214,6 +214,32 @@ def test_buffer_pool_keeps_free_buffers_only_within_its_limit():
   assert big.nbytes == 2 * 4096
 
 
+def test_decode_reads_the_cache_into_a_few_reused_buffers(pre_ln, reference, tmp_path,
+                                                         monkeypatch):
+  """A run with its cache on disk reads every decode step's K and V rows into buffers of the
+  cache staging pool: no more of them than the steps whose inputs are alive at once hold (two
+  each: K and V), each handed out again and again, and the tokens are the all-device run's."""
+  from flexjax import mover as mover_lib
+  from flexjax import plan as plan_lib
+
+  handed_out = []
+  take = mover_lib.CacheStaging.take
+  monkeypatch.setattr(mover_lib.CacheStaging, 'take',
+                      lambda self, *a: handed_out.append(take(self, *a)) or handed_out[-1])
+  policy = Policy(gpu_batch_size=4, cache_gpu_percent=25, cache_cpu_percent=0)
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, offload_dir=tmp_path) as engine:
+    out = engine.generate(PROMPTS, GEN)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  layers = pre_ln.torch_model.config.num_hidden_layers
+  blocks = -(-len(PROMPTS) // policy.block_size)  # a pool per block (its Mover)
+  distinct = {buffer.ctypes.data for buffer, _ in handed_out}
+  alive = plan_lib.steps_in_flight('decode', True, True) + 1  # the plan's inputs_alive
+  assert len(handed_out) == blocks * 2 * (GEN.gen_len - 1) * layers
+  assert len(distinct) <= blocks * 2 * alive
+  reused = [zeros_from for _, zeros_from in handed_out if zeros_from is not None]
+  assert len(reused) == len(handed_out) - len(distinct) > 0
+
+
 def _bytes_read() -> int:
   """Bytes this process has read through read calls, as the kernel counts them."""
   with open('/proc/self/io') as f:

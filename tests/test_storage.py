@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flexjax.errors import FlexjaxError
-from flexjax.storage import DiskArray, SplitArray, Storage, TierAccount
+from flexjax.storage import DiskArray, SplitArray, Storage, TierAccount, aligned_empty
 
 DTYPES = [np.float32, np.float16, np.uint8]
 # Row splits of a batch of 4: mixed, one tier alone, device + disk, host + disk.
@@ -318,6 +318,29 @@ def test_a_cache_read_takes_the_written_positions_and_zeros_the_rest(tmp_path, m
       assert out.shape == (split.offloaded_rows, t, entry)
       np.testing.assert_array_equal(out, expected)
       assert sum(read_bytes) == rows['disk'] * written * entry * 4
+    split.close()
+
+
+@pytest.mark.parametrize('rows', SPLITS, ids=SPLIT_IDS)
+def test_a_cache_read_into_a_reused_buffer_clears_only_what_an_earlier_read_left(tmp_path, rows):
+  """A reused staging buffer is known to hold zeros from `zeros_from` on: a read of `written`
+  positions fills those, clears [written, zeros_from), and writes nothing from zeros_from on
+  (a marker left there stays); a buffer of another shape is refused."""
+  b, t, entry = 4, 9, 1024
+  full = random_array((b, t, entry), np.float32, seed=9)
+  with Storage(cpu(), offload_dir=tmp_path) as storage:
+    split = make_split(storage, rows, (b, t, entry), np.float32)
+    split.write_offloaded(jnp.asarray(full), 0)
+    buffer = aligned_empty((split.offloaded_rows, t, entry), np.float32)
+    for written, zeros_from in ((3, 7), (5, 5), (6, 2)):
+      buffer[...] = 7.0
+      out = split.read_offloaded(written, padded_to=t, out=buffer, zeros_from=zeros_from)
+      assert out is buffer
+      np.testing.assert_array_equal(out[:, :written], offloaded_of(full, rows)[:, :written])
+      assert (out[:, written:max(written, zeros_from)] == 0).all()
+      assert (out[:, max(written, zeros_from):] == 7.0).all()
+    with pytest.raises(ValueError, match='is not'):
+      split.read_offloaded(3, padded_to=t, out=buffer[:, :t - 1], zeros_from=t)
     split.close()
 
 
