@@ -467,9 +467,9 @@ class Mover:
       self._hold(held, 'host', nbytes, 'cache.staging')
       buffer, zeros_from = self.cache_staging.take(
           (cache.offloaded_rows, *cache.shape[1:]), cache.dtype)
-      staged.append((buffer, written))  # back to the pool once the step has run
       rows = cache.read_offloaded(written, padded_to=cache.shape[1], out=buffer,
                                   zeros_from=zeros_from)
+      staged.append((buffer, written))  # back to the pool once the step has run
       self.stats['bytes_moved'][name] += nbytes * written // cache.shape[1]
     if self.policy.cpu_attention:
       return jax.device_put(rows, self.steps.cpu)
