@@ -18,7 +18,6 @@ import numpy as np
 from flexjax import diskio
 from flexjax import plan as plan_lib
 from flexjax import quant as quant_lib
-from flexjax import storage as storage_lib
 from flexjax import stream as stream_lib
 from flexjax.model import params as params_lib
 from flexjax.placement import Placed
@@ -133,24 +132,23 @@ class CacheStaging:
   use are bounded by the schedule (the plan's 'cache.staging'); free ones are reused first."""
 
   def __init__(self):
-    self._free: list[tuple[np.ndarray, int]] = []
+    self._pool = BufferPool()
+    self._zeros: dict[tuple[int, tuple, np.dtype], int] = {}  # (address, shape, dtype) -> from
     self._lock = threading.Lock()
 
   def take(self, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, int | None]:
-    """A buffer of `shape` and the position (axis 1) from which it holds zeros (None: it is
-    fresh, nothing is known)."""
+    """A buffer of `shape` and the position (axis 1) from which it holds zeros (None: nothing
+    is known, e.g. a fresh one)."""
     shape, dtype = tuple(shape), np.dtype(dtype)
+    buffer = self._pool.take(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
     with self._lock:
-      for i, (buffer, zeros_from) in enumerate(self._free):
-        if buffer.shape == shape and buffer.dtype == dtype:
-          del self._free[i]
-          return buffer, zeros_from
-    return storage_lib.aligned_empty(shape, dtype), None
+      return buffer, self._zeros.pop((buffer.ctypes.data, shape, dtype), None)
 
   def give_back(self, buffer: np.ndarray, zeros_from: int) -> None:
     """`buffer` is free again; positions `zeros_from` on hold zeros."""
     with self._lock:
-      self._free.append((buffer, zeros_from))
+      self._zeros[(buffer.ctypes.data, buffer.shape, buffer.dtype)] = zeros_from
+    self._pool.give_back(buffer.reshape(-1).view(np.uint8))
 
 
 def value_bytes(value):
