@@ -191,18 +191,22 @@ def cpu_device():
         'unset JAX_PLATFORMS') from None
 
 
-def runtime_overhead(platform: str, profile: 'HardwareProfile | None' = None):
+def runtime_overhead(platform: str, profile: 'HardwareProfile | None' = None,
+                     probe: dict[str, int] | None = None):
   """The runtime's own memory beside the plan's buffers on a backend: the profile's measured
   figures where it has them, else these defaults, measured on this project's CPU machines
   (tools/memcheck.py --overhead) and, for GPUs, XLA's allocations outside the compiled
-  functions (none: memory_stats counts buffers only)."""
+  functions (none: memory_stats counts buffers only). probe: probe_bytes' where this process
+  measures the machine."""
   from flexjax.plan import Overhead
+  probe = {'probe_device': (probe or {}).get('device', 0),
+           'probe_host': (probe or {}).get('host', 0)}
   if profile is not None and profile.runtime_overhead_bytes is not None:
     return Overhead(runtime=profile.runtime_overhead_bytes,
-                    compile=profile.compile_overhead_bytes or 0)
+                    compile=profile.compile_overhead_bytes or 0, **probe)
   if platform == 'cpu':
-    return Overhead(runtime=CPU_RUNTIME_OVERHEAD, compile=CPU_COMPILE_OVERHEAD)
-  return Overhead(runtime=0, compile=0)
+    return Overhead(runtime=CPU_RUNTIME_OVERHEAD, compile=CPU_COMPILE_OVERHEAD, **probe)
+  return Overhead(runtime=0, compile=0, **probe)
 
 
 def t4_profile() -> HardwareProfile:
@@ -246,80 +250,161 @@ def transfer_rate(host: np.ndarray, device, memory_kind: str | None = None,
   return host.nbytes / best_seconds(lambda: put().block_until_ready(), repeats)
 
 
+# What measuring a machine holds at once (`measure`, `probe_bytes`): one transfer buffer of
+# size_mb and its copies, PROBE_WEIGHTS of float16 product matrices (more than a CPU's caches
+# hold, so decode-sized products read them from memory as a layer's are read), and attention's
+# K and V rows of at most a quarter of size_mb each.
+PROBE_WEIGHTS = 256 * 2**20
+PROBE_LIBRARY = 16 * 2**20  # oneDNN's buffers beside its packed matrices (library_scratch)
+
+
+def _probe_sizes(quick: bool) -> tuple[int, ...]:
+  from flexjax.model import linear
+  # up to a prompt step's products (linear.LIBRARY_ROWS rows: oneDNN's on a CPU in float32)
+  return (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048, linear.LIBRARY_ROWS)
+
+
+def _probe_positions(rows: int, hidden: int, itemsize: int, size_mb: int,
+                     positions: int = 512) -> int:
+  """Cached positions of the decode attention probe at `rows`: 512, fewer where K or V would
+  pass a quarter of size_mb (a memory-bound rate needs no more)."""
+  cap = size_mb * 2**20 // 4 // (rows * hidden * itemsize)
+  return max(16, min(positions, cap))
+
+
+def probe_bytes(platform: str, *, size_mb: int = 256, hidden: int = 2048,
+                quick: bool = False) -> dict[str, int]:
+  """The most `measure` holds at once, per tier ('device', 'host'; on a CPU backend the two are
+  one RAM and add up), from the buffers each of its parts keeps (see measure):
+
+  - transfers: the host buffer, the copy put on the device and the copy read back or the fresh
+    / pinned source of a put;
+  - disk: the host buffer and the reader's window, then the same beside the product matrices;
+  - products: the matrices, the rows, two results in flight and, where oneDNN runs (a CPU's
+    float32 prompt-sized products), two packed float32 matrices and its buffers;
+  - attention: K and V at their capped positions and the scores of the prefill probe.
+  """
+  from flexjax import diskio
+  from flexjax.model import linear
+  size = size_mb * 2**20
+  cpu = platform == 'cpu'
+  itemsize = 4 if cpu else 2
+  rows = max(_probe_sizes(quick))
+  window = 3 * diskio.CHUNK
+  library = (2 * 4 * hidden * hidden * 4 + PROBE_LIBRARY
+             if linear.in_library(platform, 'float32' if cpu else 'float16', rows) else 0)
+  products = PROBE_WEIGHTS + rows * hidden * itemsize + 2 * rows * 4 * hidden * itemsize + library
+  kv = max(2 * r * _probe_positions(r, hidden, itemsize, size_mb) * hidden * itemsize
+           for r in _probe_sizes(quick)[:4] + (32,))
+  prefill_attention = 3 * 4 * 512 * hidden * itemsize + 2 * 4 * (hidden // 64) * 512 * 512 * 4
+  # (device, host) of each part
+  parts = [(size, 2 * size), (size, 2 * size), (0, size + window),
+           (PROBE_WEIGHTS + 2 * 8 * 4 * hidden * itemsize, size + window),
+           (products, 0), (max(kv, prefill_attention), 0)]
+  if cpu:
+    return {'device': 0, 'host': max(d + h for d, h in parts)}
+  return {'device': max(d for d, _ in parts), 'host': max(h for _, h in parts)}
+
+
 def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
             hidden: int = 2048, quick: bool = False, progress: bool = False) -> HardwareProfile:
   """Measures this machine: transfers, disk reads as the engine makes them (O_DIRECT, I/O
-  threads), matmul rates and the engine's decode attention rate."""
+  threads), matmul rates and the engine's decode attention rate. Each part frees what it
+  held before the next begins, so the most held at once is probe_bytes'."""
+  import collections
   import functools
 
   import jax
   import jax.numpy as jnp
 
+  from flexjax import memwatch
   from flexjax import progress as progress_lib
   from flexjax.config import ModelConfig
   from flexjax.model import attention
   from flexjax.model import linear
 
-  # up to a prompt step's products (linear.LIBRARY_ROWS rows: oneDNN's on a CPU in float32)
-  sizes = (1, 16, 256) if quick else (1, 8, 32, 128, 512, 2048, linear.LIBRARY_ROWS)
+  sizes = _probe_sizes(quick)
   bar = progress_lib.bar(3 + len(sizes) + 4 + 4, 'measuring', unit='test', show=progress)
 
   device = device or jax.devices()[0]
   cpu = jax.devices('cpu')[0]
-  n = size_mb * 2**20 // 4
-  host = np.random.default_rng(0).random(n, dtype=np.float32)
-
-  nbytes = host.nbytes
-  # Host to device as host-tier weights move: from pinned host memory where the engine keeps
-  # them there (an accelerator's DMA), else from a numpy buffer.
-  ctog = transfer_rate(host, device, host_memory_kind(device))
-  bar.update(1)
-  on_device = jax.device_put(host, device)
-  gtoc = nbytes / best_seconds(lambda: np.array(on_device))
-  bar.update(1)
-  dtoc, ctod = _disk_rates(host, scratch_dir)
-  bar.update(1)
+  compute = jnp.float32 if device.platform == 'cpu' else jnp.float16
+  itemsize = np.dtype(compute).itemsize
 
   # The engine's product: weights as stored (float16), cast a tile at a time where the backend
   # computes in float32 (a decode step of few rows is bound by reading them, not by FLOPs), and
   # each weight read from memory, as a layer's are, not from a cache that holds a small matrix:
-  # one product on each of `size_mb` of distinct matrices in turn.
-  compute = jnp.float32 if device.platform == 'cpu' else jnp.float16
-  weights = [jax.device_put(np.ones((4 * hidden, hidden), np.float16), device)
-             for _ in range(max(1, size_mb * 2**20 // (8 * hidden * hidden)))]
+  # one product on each of PROBE_WEIGHTS of distinct matrices in turn, two in flight at most
+  # (as the engine's steps).
+  def product_matrices():
+    return [jax.device_put(np.ones((4 * hidden, hidden), np.float16), device)
+            for _ in range(max(1, PROBE_WEIGHTS // (8 * hidden * hidden)))]
 
-  def matmul_rate(rows, backend):
-    a = jax.device_put(np.ones((rows, hidden), compute), backend)
-    # compiled as a prompt step of that many rows is
-    library = linear.in_library(backend.platform, compute, rows)
-    f = jax.jit(functools.partial(linear.dense, dtype=compute)).lower(a, weights[0]).compile(
-        linear.library_options() if library else None)
-    f(a, weights[0]).block_until_ready()
-    seconds = best_seconds(lambda: [f(a, w) for w in weights][-1].block_until_ready(),
-                           min_total=0.5)
+  def over_all(f, a, weights):
+    in_flight = collections.deque()
+    for w in weights:
+      if len(in_flight) == 2:
+        in_flight.popleft().block_until_ready()
+      in_flight.append(f(a, w))
+    jax.block_until_ready(list(in_flight))
+
+  def transfers_and_disk():
+    host = np.random.default_rng(0).random(size_mb * 2**20 // 4, dtype=np.float32)
+    # Host to device as host-tier weights move: from pinned host memory where the engine keeps
+    # them there (an accelerator's DMA), else from a numpy buffer.
+    ctog = transfer_rate(host, device, host_memory_kind(device))
     bar.update(1)
-    return 2 * rows * hidden * 4 * hidden * len(weights) / seconds
+    on_device = jax.device_put(host, device)
+    gtoc = host.nbytes / best_seconds(lambda: np.array(on_device))
+    on_device.delete()
+    bar.update(1)
+    dtoc, ctod = _disk_rates(host, scratch_dir)
+    bar.update(1)
+    weights = product_matrices()
+    a = jax.device_put(np.ones((8, hidden), compute), device)  # a decode step's rows
+    product = jax.jit(functools.partial(linear.dense, dtype=compute))
+    product(a, weights[0]).block_until_ready()
+    overlap = _disk_overlap(lambda: over_all(product, a, weights), host, scratch_dir)
+    bar.update(1)
+    return ctog, gtoc, dtoc, ctod, overlap
+
+  def matmul_rates():
+    weights = product_matrices()
+
+    def rate(rows):
+      a = jax.device_put(np.ones((rows, hidden), compute), device)
+      # compiled as a prompt step of that many rows is
+      library = linear.in_library(device.platform, compute, rows)
+      f = jax.jit(functools.partial(linear.dense, dtype=compute)).lower(a, weights[0]).compile(
+          linear.library_options() if library else None)
+      f(a, weights[0]).block_until_ready()
+      seconds = best_seconds(lambda: over_all(f, a, weights), min_total=0.5)
+      bar.update(1)
+      return 2 * rows * hidden * 4 * hidden * len(weights) / seconds
+
+    return {m: rate(m) for m in sizes}
 
   probe_cfg = ModelConfig(name='attention-probe', num_layers=1, hidden_size=hidden,
                           num_heads=hidden // 64, ffn_dim=4 * hidden, vocab_size=64,
                           max_positions=1024)
 
-  # One new token per sequence over 512 cached positions, in the dtype a run's decode attention
-  # reads: the compute dtype, which is also the cache's by default, on the device and on the CPU
-  # backend with cpu_attention (there as the engine compiles it, a program of its own, which
-  # converts the rows it reads to float32: attention.attend_dtype). XLA:CPU's rates differ by
-  # dtype (opt-6.7b, 16 x 544: float32 15.1, float16 10.1 ms), so a GPU's profile must not take
-  # the float32 rate for it.
+  # One new token per sequence over up to 512 cached positions, in the dtype a run's decode
+  # attention reads: the compute dtype, which is also the cache's by default, on the device
+  # and on the CPU backend with cpu_attention (there as the engine compiles it, a program of
+  # its own, which converts the rows it reads to float32: attention.attend_dtype). XLA:CPU's
+  # rates differ by dtype (opt-6.7b, 16 x 544: float32 15.1, float16 10.1 ms), so a GPU's
+  # profile must not take the float32 rate for it.
   def attention_rate(rows, backend, standalone=False):
+    positions = _probe_positions(rows, hidden, itemsize, size_mb)
     args = [jax.device_put(np.ones(shape, compute), backend)
-            for shape in ((rows, hidden), (rows, hidden), (rows, hidden), (rows, 512, hidden),
-                          (rows, 512, hidden))]
-    mask = jax.device_put(np.ones((rows, 512), bool), backend)
+            for shape in ((rows, hidden), (rows, hidden), (rows, hidden),
+                          (rows, positions, hidden), (rows, positions, hidden))]
+    mask = jax.device_put(np.ones((rows, positions), bool), backend)
     f = jax.jit(functools.partial(attention.attend_decode, cfg=probe_cfg,
                                   standalone=standalone))
     f(*args, mask).block_until_ready()
-    rate = 4 * rows * hidden * 512 / best_seconds(lambda: f(*args, mask).block_until_ready(),
-                                                  min_total=0.5)
+    rate = 4 * rows * hidden * positions / best_seconds(
+        lambda: f(*args, mask).block_until_ready(), min_total=0.5)
     bar.update(1)
     return rate
 
@@ -334,19 +419,22 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
     bar.update(1)
     return 4 * rows * positions * positions * hidden / seconds
 
+  def part(fn, *args, **kwargs):
+    """One part of the measurement, whose freed memory goes back before the next starts."""
+    out = fn(*args, **kwargs)
+    memwatch.return_free_memory()
+    return out
+
   with bar:
-    mm = {m: matmul_rate(m, device) for m in sizes}
-    bmm = {m: attention_rate(m, device) for m in sizes[:4]}
-    cpu_flops = attention_rate(32, cpu, standalone=True)
-    prefill_attention = prefill_attention_rate(4)
-    overhead = step_overhead()
+    ctog, gtoc, dtoc, ctod, overlap = part(transfers_and_disk)
+    mm = part(matmul_rates)
+    bmm = {m: part(attention_rate, m, device) for m in sizes[:4]}
+    cpu_flops = part(attention_rate, 32, cpu, standalone=True)
+    prefill_attention = part(prefill_attention_rate, 4)
+    overhead = part(step_overhead)
     bar.update(1)
-    a = jax.device_put(np.ones((8, hidden), compute), device)  # a decode step's rows
-    product = jax.jit(functools.partial(linear.dense, dtype=compute))
-    product(a, weights[0]).block_until_ready()
-    overlap = _disk_overlap(
-        lambda: [product(a, w) for w in weights][-1].block_until_ready(), host, scratch_dir)
-    bar.update(1)
+  jax.clear_caches()  # the probes' programs: the run compiles its own
+  memwatch.return_free_memory()
   return HardwareProfile(name=f'{device.platform}:{device.device_kind}', ctog_bw=ctog,
                          gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod, mm_flops=mm, bmm_flops=bmm,
                          cpu_flops=cpu_flops, copies_share_compute=device.platform == 'cpu',

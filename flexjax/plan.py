@@ -29,9 +29,10 @@ from flexjax.quant import Packed
 
 Path = tuple[str, ...]
 TIERS = ('device', 'host', 'disk')
-# compile: the stage functions compile (before any placement); place: weights are read from
-# their source and put on their tiers; prefill / decode: the block schedule runs.
-PHASES = ('compile', 'place', 'prefill', 'decode')
+# probe: this machine is measured for the cost model (a first --policy=auto run without a cached
+# profile); compile: the stage functions compile (before any placement); place: weights are read
+# from their source and put on their tiers; prefill / decode: the block schedule runs.
+PHASES = ('probe', 'compile', 'place', 'prefill', 'decode')
 RUN = ('prefill', 'decode')
 
 
@@ -301,10 +302,46 @@ class Buffer:
 class Overhead:
   """The runtime's own bytes beside the plan's buffers, per backend (hardware profile):
   what the process keeps once the stage functions are compiled and have run (code, thread
-  pools, allocator slack), and the compiler's extra memory while compiling."""
+  pools, allocator slack), the compiler's extra memory while compiling, and what measuring
+  this machine holds where the run measures it (hardware.probe_bytes; 0 where the profile
+  was loaded)."""
 
   runtime: int
   compile: int
+  probe_device: int = 0
+  probe_host: int = 0
+
+
+def runtime_buffers(overhead: Overhead, device_is_host: bool) -> list[Buffer]:
+  """The runtime's own buffers, in every plan and alone in the probe phase."""
+  return [
+      # on a CPU backend the runtime's own memory is RAM beside the (simulated) device tier
+      Buffer('runtime', 'host' if device_is_host else 'device', overhead.runtime, 1,
+             PHASES, 'runtime overhead of the backend'),
+      Buffer('compiler', 'host', overhead.compile, 1, ('compile',), 'compiler working memory'),
+      Buffer('probe.device', 'device', overhead.probe_device, 1, ('probe',),
+             "measuring this machine's rates for the cost model"),
+      Buffer('probe.host', 'host', overhead.probe_host, 1, ('probe',),
+             "measuring this machine's rates for the cost model"),
+  ]
+
+
+def check_probe(overhead: Overhead, device_is_host: bool,
+                budgets: dict[str, int | None]) -> None:
+  """Refuses, before it starts, a measurement of this machine that would pass a budget."""
+  phases = peaks_by_phase(runtime_buffers(overhead, device_is_host))
+  need = {tier: phases[tier]['probe'] for tier in TIERS}
+  if device_is_host:
+    need = {'ram': need['device'] + need['host']}
+  for tier, nbytes in need.items():
+    budget = budgets.get(tier)
+    if budget is not None and nbytes > budget:
+      flag = {'device': '--gpu_mem', 'host': '--cpu_mem', 'ram': '--cpu_mem'}[tier]
+      raise FlexjaxError(
+          f'measuring this machine for --policy=auto needs {format_bytes(nbytes)} of '
+          f'{"RAM" if tier == "ram" else tier + " memory"} but {flag} allows '
+          f'{format_bytes(budget)}; raise {flag}, or pass --hw_profile=FILE (measured once by '
+          'python -m tools.profile_hw) or --hw_profile=paper-t4')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,11 +403,7 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   # V) where the rows are read in place, the kept rows of a sparse V always
   staged = ((kept * row if policy.attn_sparsity < 1 else 0)
             if cache_read_in_place(policy, shape.device_is_host, cr['disk']) else kv_read)
-  out = [
-      # on a CPU backend the runtime's own memory is RAM beside the (simulated) device tier
-      Buffer('runtime', 'host' if shape.device_is_host else 'device', overhead.runtime, 1,
-             PHASES, 'runtime overhead of the backend'),
-      Buffer('compiler', 'host', overhead.compile, 1, ('compile',), 'compiler working memory'),
+  out = runtime_buffers(overhead, shape.device_is_host) + [
       Buffer('weights.resident', 'device', shares.weights['device'], 1, ('place',) + RUN,
              'weights resident on the device'),
       Buffer('weights.host', 'host', shares.weights['host'], 1, ('place',) + RUN,

@@ -155,7 +155,7 @@ def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
   if not measure_if_missing:
     return None
   print(f'measuring this machine for the cost model, once (transfers, disk, matmul and '
-        f'attention rates: about 15 s on a 2-core CPU); the profile is cached in {cache}',
+        f'attention rates: under a minute on a 2-core CPU); the profile is cached in {cache}',
         file=sys.stderr, flush=True)
   profile = hardware.measure(device, scratch_dir=scratch_dir,
                              progress=progress_lib.enabled(progress))
@@ -244,15 +244,22 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
   compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
   watch = MemoryWatch.start(device)  # the idle process, before anything is planned
   budgets = detected_budgets(rc, device)
-  profile = resolve_profile(rc.hw_profile, device, measure_if_missing=rc.policy_mode == 'auto',
-                            scratch_dir=rc.offload_dir, progress=rc.progress)
+  profile = resolve_profile(rc.hw_profile, device, measure_if_missing=False,
+                            scratch_dir=rc.offload_dir)
+  probe = None
+  if profile is None and rc.policy_mode == 'auto':  # measured here, in this run's memory
+    probe = hardware.probe_bytes(device.platform)
+    plan_lib.check_probe(hardware.runtime_overhead(device.platform, probe=probe),
+                         device.platform == 'cpu', budgets)
+    profile = resolve_profile(rc.hw_profile, device, measure_if_missing=True,
+                              scratch_dir=rc.offload_dir, progress=rc.progress)
   planner = plan_lib.Planner(
       source.config, storage_dtype=source.dtype, compute_dtype=compute_dtype,
       cache_dtype=rc.cache_dtype or compute_dtype, device=device,
       cpu=jax.local_devices(backend='cpu')[0],
       overhead=hardware.runtime_overhead(device.platform,
                                          profile if profile and profile.name.startswith(
-                                             device.platform) else None))
+                                             device.platform) else None, probe=probe))
   return Setup(source, tokenizer, device, compute_dtype, watch, budgets, profile, planner)
 
 

@@ -1,6 +1,8 @@
 """Reality checks: the memory the system measures for a run (peak RSS above the idle process,
 from the kernel) never exceeds the execution plan's peak, in fresh processes."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -27,3 +29,36 @@ def test_a_policy_over_its_ram_budget_is_refused_before_any_work():
   assert len(lines) == 1, done.stderr
   assert 'on the RAM (device and host tiers together)' in lines[0]
   assert '--cpu_mem allows 2.00 GiB' in lines[0] and 'largest: ' in lines[0]
+
+
+def _first_auto_run(tmp_path, *extra):
+  """`--policy=auto` on a machine without a cached profile: the run measures the machine."""
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / 'cache'))
+  report = tmp_path / 'report.json'
+  argv = [sys.executable, '-m', 'flexjax.main', *memcheck.COMMON, '--model=opt-125m',
+          '--prompt_len=32', '--gen_len=2', '--policy=auto', '--noprogress',
+          f'--offload_dir={tmp_path}', f'--report_json={report}', *extra]
+  done = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+  profiles = list((tmp_path / 'cache').glob('flexjax/hw-*.json'))
+  return done, report, profiles
+
+
+def test_a_first_auto_run_measures_the_machine_within_its_plan(tmp_path):
+  """Measuring the machine for the cost model is part of the run's memory: its peak RSS,
+  probe included (it once held 2.6 GiB, past a 2 GiB budget), stays within the plan, whose
+  probe phase the report's planned peak covers."""
+  done, report, profiles = _first_auto_run(tmp_path, '--cpu_mem=3')
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert len(profiles) == 1
+  row = json.loads(report.read_text())
+  assert 0 < row['measured_ram_peak_bytes'] <= row['planned_ram_peak_bytes'], row
+
+
+def test_a_machine_measurement_past_the_budget_is_refused_before_it_starts(tmp_path):
+  done, _, profiles = _first_auto_run(tmp_path, '--cpu_mem=0.5')
+  assert done.returncode == 2
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1, done.stderr
+  assert lines[0].startswith('flexjax: error: measuring this machine for --policy=auto needs ')
+  assert '--cpu_mem allows 512.00 MiB' in lines[0] and '--hw_profile=FILE' in lines[0]
+  assert not profiles
