@@ -62,3 +62,24 @@ def test_a_machine_measurement_past_the_budget_is_refused_before_it_starts(tmp_p
   assert lines[0].startswith('flexjax: error: measuring this machine for --policy=auto needs ')
   assert '--cpu_mem allows 512.00 MiB' in lines[0] and '--hw_profile=FILE' in lines[0]
   assert not profiles
+
+
+def test_random_cases_are_valid_runs_of_every_kind():
+  """`tools.memcheck --random` draws flags flexjax accepts (each parses into a run
+  configuration), with searched and manual policies and every option among them."""
+  import random
+
+  from absl import flags
+
+  from flexjax import flags as flags_lib
+  rng = random.Random(0)
+  drawn = [memcheck.random_case(rng) for _ in range(200)]
+  for case in drawn:
+    fv = flags.FlagValues()
+    flags_lib.define_flags(fv)
+    fv(['flexjax', *memcheck.COMMON, *case])
+    rc = flags_lib.run_config_from_flags(fv)
+    assert rc.policy_mode in ('auto', 'manual')
+  every = {flag.split('=')[0] for case in drawn for flag in case}
+  assert {'--policy', '--compress_weight', '--compress_cache', '--cpu_attention', '--nooverlap',
+          '--attn_sparsity', '--placement', '--compute_dtype', '--act_gpu_percent'} <= every

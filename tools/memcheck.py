@@ -5,6 +5,7 @@ GPU) with the plan's peak for the same tier.
   python -m tools.memcheck                              # every case, table to stdout
   python -m tools.memcheck --only=all_device,cache_disk --output=memcheck.jsonl
   python -m tools.memcheck --overhead                   # the CPU runtime's own overhead
+  python -m tools.memcheck --random=20 --seed=1         # 20 policies drawn at random
 
 A plan is a bound only if measured <= planned on every case; the ratio planned / measured says
 how tight it is.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -79,11 +81,44 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_list('only', None, f'Cases to run (default: all of {", ".join(CASES)}).',
                     flag_values=fv)
   flags.DEFINE_string('output', None, 'Append one JSON line per case here.', flag_values=fv)
+  flags.DEFINE_integer('random', 0, 'Run this many policies drawn at random (random_case) '
+                       'instead of the named cases.', flag_values=fv)
+  flags.DEFINE_integer('seed', 0, 'Seed of --random.', flag_values=fv)
   flags.DEFINE_bool('overhead', False, 'Measure the CPU runtime overhead instead.',
                     flag_values=fv)
   flags.DEFINE_bool('t4', False, 'Print the T4 table instead: the searched and the paper\'s '
                     'policies of OPT-30B/175B with their planned device peak next to 16 GB.',
                     flag_values=fv)
+
+
+class Refused(Exception):
+  """A case flexjax refused before any work (exit status 2, a one-line error)."""
+
+
+def random_case(rng: random.Random) -> tuple[str, ...]:
+  """Flags of one run drawn at random: a small model and shape, and either a searched policy
+  under a RAM budget or a manual one with every tier split, approximation and schedule option
+  drawn (placements the named cases do not cover)."""
+  model = rng.choice(['opt-125m', 'opt-125m', 'opt-350m', 'smollm2-135m'])
+  out = [f'--model={model}', f'--prompt_len={rng.choice([16, 64, 128, 256, 512])}',
+         f'--gen_len={rng.choice([2, 4, 8, 16])}']
+  if rng.random() < 0.2:
+    out += ['--policy=auto', f'--cpu_mem={rng.choice([1.5, 2, 3])}']
+    return tuple(out + (['--compress_cache'] if rng.random() < 0.3 else []))
+  out += [f'--gpu_batch_size={rng.choice([1, 2, 4, 8, 16, 32])}',
+          f'--num_gpu_batches={rng.choice([1, 1, 2, 3])}']
+  for kind in ('w', 'cache', 'act'):
+    if kind == 'act' and rng.random() < 0.6:
+      continue
+    gpu = rng.choice([0, 0, 10, 25, 50, 75, 100])
+    cpu = min(100 - gpu, rng.choice([0, 25, 50, 100 - gpu, rng.randint(0, 100 - gpu)]))
+    out += [f'--{kind}_gpu_percent={gpu}', f'--{kind}_cpu_percent={cpu}']
+  for flag, p in (('--compress_weight', 0.25), ('--compress_cache', 0.25),
+                  ('--cpu_attention', 0.3), ('--nooverlap', 0.2), ('--attn_sparsity=0.25', 0.15),
+                  ('--placement=flexgen', 0.15), ('--compute_dtype=bfloat16', 0.15)):
+    if rng.random() < p:
+      out.append(flag)
+  return tuple(out)
 
 
 def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -> dict[str, Any]:
@@ -93,6 +128,8 @@ def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -
     path = os.path.join(tmp, 'report.json')
     done = subprocess.run(argv + [f'--offload_dir={tmp}', f'--report_json={path}'],
                           capture_output=True, text=True, timeout=timeout)
+    if done.returncode == 2:  # flexjax refused the flags in one line, before any work
+      raise Refused(done.stderr.strip())
     if done.returncode != 0:
       raise RuntimeError(f'case {name} failed ({done.returncode}): '
                          f'{done.stderr.strip()[-2000:]}')
@@ -174,13 +211,21 @@ def main(argv) -> None:
   if fv.overhead:
     print(json.dumps(measure_overhead()))
     return
-  names = fv.only or list(CASES)
-  unknown = [n for n in names if n not in CASES]
+  rng = random.Random(fv.seed)
+  cases = ([(f'random{fv.seed}-{i}', random_case(rng)) for i in range(fv.random)] if fv.random
+           else [(name, ()) for name in fv.only or list(CASES)])
+  unknown = [n for n, _ in cases if n not in CASES and not fv.random]
   if unknown:
     raise app.UsageError(f'unknown cases {unknown}; choose from {", ".join(CASES)}')
   rows = []
-  for name in names:
-    row = run_case(name)
+  for name, extra in cases:
+    try:
+      row = run_case(name, extra)
+    except Refused as e:
+      if not fv.random:
+        raise
+      print(f'{name}: refused: {e}', flush=True)
+      continue
     rows.append(row)
     print(f'{name}: planned {row["planned"] / 2**30:.3f} GiB, measured '
           f'{row["measured"] / 2**30:.3f} GiB ({row["ratio"]:.2f})', flush=True)
