@@ -195,8 +195,13 @@ def bucket_length(n: int) -> int:
 def plan_blocks(rows: Sequence[Row], block_size: int, *, bucket: bool,
                 max_positions: int) -> list[Block]:
   """Rows grouped into blocks. Rows of one block share temperature and top_p. Bucketed: sorted by
-  prompt and output length, each block padded to the bucket of its longest; else in input order,
-  every block padded to the job's longest prompt and output."""
+  prompt and output length, longest first, each block padded to the bucket of its longest; else
+  in input order, every block padded to the job's longest prompt and output.
+
+  Longest first: the job is planned at its largest block, which then runs on the heap as the
+  engine left it, and the smaller blocks after it reuse what it freed (run shortest first, an
+  opt-125m job measured 0.89-0.98 GiB of peak RSS against a 0.96 GiB plan; longest first
+  0.81-0.86)."""
   groups: dict[tuple[float, float], list[Row]] = {}
   for row in rows:
     groups.setdefault((row.temperature, row.top_p), []).append(row)
@@ -204,8 +209,8 @@ def plan_blocks(rows: Sequence[Row], block_size: int, *, bucket: bool,
   for key in sorted(groups):
     group = groups[key]
     if bucket:
-      group = sorted(group, key=lambda r: (bucket_length(len(r.tokens)),
-                                           bucket_length(r.max_new_tokens), r.line))
+      group = sorted(group, key=lambda r: (-bucket_length(len(r.tokens)),
+                                           -bucket_length(r.max_new_tokens), r.line))
     longest = max(len(r.tokens) for r in group)
     most = max(r.max_new_tokens for r in group)
     for start in range(0, len(group), block_size):

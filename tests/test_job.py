@@ -214,10 +214,12 @@ def test_derived_seeds_and_buckets():
   assert all(n <= job_lib.bucket_length(n) <= 1.125 * n + 8 for n in range(1, 3000))
   rows = [job_lib.Row(i, i, (2,) * n, 4, (), 0.0, 1.0, 0) for i, n in enumerate((60, 3, 61))]
   blocks = job_lib.plan_blocks(rows, 2, bucket=True, max_positions=64)
-  # buckets that would pass the model's 64 positions shrink back to the rows' own lengths
-  assert [(len(b.rows), b.pad_to, b.gen_len) for b in blocks] == [(2, 61, 4), (1, 61, 4)]
+  # longest first; buckets that would pass the model's 64 positions shrink back to the rows'
+  # own lengths
+  assert [(len(b.rows), b.pad_to, b.gen_len) for b in blocks] == [(2, 61, 4), (1, 8, 8)]
+  assert [r.line for r in blocks[0].rows] == [0, 2]  # input order within a bucket
   short = [job_lib.Row(i, i, (2,) * n, 3, (), 0.0, 1.0, 0) for i, n in enumerate((5, 9, 4))]
   assert [(b.pad_to, b.gen_len) for b in job_lib.plan_blocks(
-      short, 2, bucket=True, max_positions=64)] == [(8, 8), (16, 8)]
+      short, 2, bucket=True, max_positions=64)] == [(16, 8), (8, 8)]
   assert [(b.pad_to, b.gen_len) for b in job_lib.plan_blocks(
       short, 2, bucket=False, max_positions=64)] == [(9, 3), (9, 3)]
