@@ -69,16 +69,24 @@ CASES: dict[str, tuple[str, ...]] = {
                            '--w_cpu_percent=30', '--cache_gpu_percent=50',
                            '--cache_cpu_percent=25'),
 }
+# name -> flags of a batch job (--input; memcheck writes job_rows() as its input): a job is
+# planned at its largest block and runs blocks of several shapes one after another.
+JOB_CASES: dict[str, tuple[str, ...]] = {
+    'job_mixed_lengths': ('--model=opt-125m', '--gen_len=16', '--gpu_batch_size=4',
+                          '--num_gpu_batches=3', '--w_gpu_percent=0', '--w_cpu_percent=0',
+                          '--cache_gpu_percent=25', '--cache_cpu_percent=25',
+                          '--act_gpu_percent=50', '--act_cpu_percent=25', '--compress_weight'),
+}
 # Cases CI runs (small and quick).
 CI_CASES = ('all_device', 'weights_disk', 'cpu_attention', 'weights_host_pinned',
-            'prefill_library')
+            'prefill_library', 'job_mixed_lengths')
 # The overhead case: a model so small that the plan's buffers are negligible next to the
 # runtime's own memory.
 OVERHEAD_CASE = ('--model=opt-125m', '--prompt_len=8', '--gen_len=2', '--gpu_batch_size=1')
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_list('only', None, f'Cases to run (default: all of {", ".join(CASES)}).',
+  flags.DEFINE_list('only', None, f'Cases to run (default: all of {", ".join(list(CASES) + list(JOB_CASES))}).',
                     flag_values=fv)
   flags.DEFINE_string('output', None, 'Append one JSON line per case here.', flag_values=fv)
   flags.DEFINE_integer('random', 0, 'Run this many policies drawn at random (random_case) '
@@ -121,11 +129,25 @@ def random_case(rng: random.Random) -> tuple[str, ...]:
   return tuple(out)
 
 
+def job_rows(count: int = 48) -> list[dict[str, Any]]:
+  """A job's input rows: token prompts of 8 to 400 tokens and 2 to 16 new tokens, mixed."""
+  rng = random.Random(5)
+  return [{'id': f'r{i}', 'tokens': [rng.randint(4, 50000) for _ in range(
+              rng.choice([8, 16, 40, 90, 150, 250, 400]))],
+           'max_new_tokens': rng.choice([2, 4, 8, 16])} for i in range(count)]
+
+
 def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -> dict[str, Any]:
   """Runs one case in a fresh process; returns its planned and measured peaks."""
-  argv = [sys.executable, '-m', 'flexjax.main', *COMMON, *CASES.get(name, ()), *extra]
+  argv = [sys.executable, '-m', 'flexjax.main', *COMMON,
+          *CASES.get(name, JOB_CASES.get(name, ())), *extra]
   with tempfile.TemporaryDirectory(prefix='flexjax-memcheck-') as tmp:
     path = os.path.join(tmp, 'report.json')
+    if name in JOB_CASES:
+      rows = os.path.join(tmp, 'rows.jsonl')
+      with open(rows, 'w') as f:
+        f.writelines(json.dumps(row) + '\n' for row in job_rows())
+      argv += [f'--input={rows}', f'--output={os.path.join(tmp, "out.jsonl")}']
     done = subprocess.run(argv + [f'--offload_dir={tmp}', f'--report_json={path}'],
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode == 2:  # flexjax refused the flags in one line, before any work
@@ -135,14 +157,16 @@ def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -
                          f'{done.stderr.strip()[-2000:]}')
     with open(path) as f:
       report = json.load(f)
-  on_cpu = report['device'].startswith('cpu')
-  tier = 'ram' if on_cpu else 'device'
+  # a CPU backend's report measures RAM (device and host tiers together), an accelerator's
+  # its device
+  tier = 'ram' if 'measured_ram_peak_bytes' in report else 'device'
   planned = report[f'planned_{tier}_peak_bytes']
   measured = report[f'measured_{tier}_peak_bytes']
-  return {'case': name, 'flags': list(CASES.get(name, ())) + list(extra), 'tier': tier,
-          'planned': planned, 'measured': measured, 'ratio': planned / max(1, measured),
-          'fits': measured <= planned, 'policy': report['policy'],
-          'total_tok_s': report['total_tok_s']}
+  return {'case': name, 'flags': list(CASES.get(name, JOB_CASES.get(name, ()))) + list(extra),
+          'tier': tier, 'planned': planned, 'measured': measured,
+          'ratio': planned / max(1, measured), 'fits': measured <= planned,
+          'policy': report['policy'],
+          'total_tok_s': report.get('total_tok_s', report.get('actual_tok_s'))}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -213,10 +237,11 @@ def main(argv) -> None:
     return
   rng = random.Random(fv.seed)
   cases = ([(f'random{fv.seed}-{i}', random_case(rng)) for i in range(fv.random)] if fv.random
-           else [(name, ()) for name in fv.only or list(CASES)])
-  unknown = [n for n, _ in cases if n not in CASES and not fv.random]
+           else [(name, ()) for name in fv.only or list(CASES) + list(JOB_CASES)])
+  known = list(CASES) + list(JOB_CASES)
+  unknown = [n for n, _ in cases if n not in known and not fv.random]
   if unknown:
-    raise app.UsageError(f'unknown cases {unknown}; choose from {", ".join(CASES)}')
+    raise app.UsageError(f'unknown cases {unknown}; choose from {", ".join(known)}')
   rows = []
   for name, extra in cases:
     try:
