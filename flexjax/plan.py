@@ -264,8 +264,10 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
       if slot.tier != 'device':
         transfer_max = max(transfer_max, slot.stored)
         whole = math.prod(slot.full_shape) * sizes.compute
-        if slot.packed and whole > largest_loaded:  # the whole tensor bounds a part's cast, and depends less
-          largest_loaded = whole    # on the percents (fewer distinct compiles in the search)
+        # the whole tensor bounds a part's cast, and depends less on the percents (fewer
+        # distinct compiles in the search)
+        if slot.packed and whole > largest_loaded:
+          largest_loaded = whole
           shape = slot.full_shape
           largest_load = ((*shape[:-1], policy.quant.row_bytes(shape[-1])), shape[-1])
       if slot.tier == 'device':

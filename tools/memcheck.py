@@ -86,8 +86,8 @@ OVERHEAD_CASE = ('--model=opt-125m', '--prompt_len=8', '--gen_len=2', '--gpu_bat
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_list('only', None, f'Cases to run (default: all of {", ".join(list(CASES) + list(JOB_CASES))}).',
-                    flag_values=fv)
+  flags.DEFINE_list('only', None, 'Cases to run (default: all of '
+                    f'{", ".join(list(CASES) + list(JOB_CASES))}).', flag_values=fv)
   flags.DEFINE_string('output', None, 'Append one JSON line per case here.', flag_values=fv)
   flags.DEFINE_integer('random', 0, 'Run this many policies drawn at random (random_case) '
                        'instead of the named cases.', flag_values=fv)
