@@ -255,7 +255,6 @@ def transfer_rate(host: np.ndarray, device, memory_kind: str | None = None,
 # hold, so decode-sized products read them from memory as a layer's are read), and attention's
 # K and V rows of at most a quarter of size_mb each.
 PROBE_WEIGHTS = 256 * 2**20
-PROBE_LIBRARY = 16 * 2**20  # oneDNN's buffers beside its packed matrices (library_scratch)
 
 
 def _probe_sizes(quick: bool) -> tuple[int, ...]:
@@ -285,13 +284,14 @@ def probe_bytes(platform: str, *, size_mb: int = 256, hidden: int = 2048,
   - attention: K and V at their capped positions and the scores of the prefill probe.
   """
   from flexjax import diskio
+  from flexjax import library_scratch
   from flexjax.model import linear
   size = size_mb * 2**20
   cpu = platform == 'cpu'
   itemsize = 4 if cpu else 2
   rows = max(_probe_sizes(quick))
   window = 3 * diskio.CHUNK
-  library = (2 * 4 * hidden * hidden * 4 + PROBE_LIBRARY
+  library = (2 * 4 * hidden * hidden * 4 + library_scratch.ONEDNN_WORKSPACE
              if linear.in_library(platform, 'float32' if cpu else 'float16', rows) else 0)
   products = PROBE_WEIGHTS + rows * hidden * itemsize + 2 * rows * 4 * hidden * itemsize + library
   kv = max(2 * r * _probe_positions(r, hidden, itemsize, size_mb) * hidden * itemsize

@@ -148,12 +148,23 @@ def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
     return hardware.t4_profile()
   if spec:
     return hardware.HardwareProfile.load(spec)
-  cache = (Path(os.environ.get('XDG_CACHE_HOME', Path.home() / '.cache')) / 'flexjax'
-           / f'hw-{device.platform}-{device.device_kind}.json'.replace(' ', '_'))
+  cache = profile_cache(device)
   if cache.is_file():
     return hardware.HardwareProfile.load(cache)
   if not measure_if_missing:
     return None
+  return measure_profile(device, scratch_dir=scratch_dir, progress=progress)
+
+
+def profile_cache(device) -> Path:
+  """Where this device's measured profile is cached."""
+  return (Path(os.environ.get('XDG_CACHE_HOME', Path.home() / '.cache')) / 'flexjax'
+          / f'hw-{device.platform}-{device.device_kind}.json'.replace(' ', '_'))
+
+
+def measure_profile(device, *, scratch_dir: str | None, progress: bool) -> HardwareProfile:
+  """Measures this device for the cost model and caches the profile (profile_cache)."""
+  cache = profile_cache(device)
   print(f'measuring this machine for the cost model, once (transfers, disk, matmul and '
         f'attention rates: under a minute on a 2-core CPU); the profile is cached in {cache}',
         file=sys.stderr, flush=True)
@@ -251,8 +262,7 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
     probe = hardware.probe_bytes(device.platform)
     plan_lib.check_probe(hardware.runtime_overhead(device.platform, probe=probe),
                          device.platform == 'cpu', budgets)
-    profile = resolve_profile(rc.hw_profile, device, measure_if_missing=True,
-                              scratch_dir=rc.offload_dir, progress=rc.progress)
+    profile = measure_profile(device, scratch_dir=rc.offload_dir, progress=rc.progress)
   planner = plan_lib.Planner(
       source.config, storage_dtype=source.dtype, compute_dtype=compute_dtype,
       cache_dtype=rc.cache_dtype or compute_dtype, device=device,
