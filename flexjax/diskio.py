@@ -15,6 +15,7 @@ from flexjax.errors import FlexjaxError
 
 BLOCK = 4096  # alignment of offsets, lengths and buffers for direct I/O
 CHUNK = 8 << 20  # bytes per read request: large enough for full-speed sequential reads
+IO_THREADS = 3  # reader threads by default: a window of IO_THREADS x CHUNK bytes in flight
 
 
 def align_up(nbytes: int, alignment: int = BLOCK) -> int:
@@ -121,7 +122,7 @@ class Reader:
   """A few I/O threads reading file ranges into host buffers, CHUNK bytes per request, so the
   disk sees several large requests at once while the caller computes."""
 
-  def __init__(self, threads: int = 3, chunk: int = CHUNK):
+  def __init__(self, threads: int = IO_THREADS, chunk: int = CHUNK):
     if not 1 <= threads <= 16:
       raise FlexjaxError(f'io_threads={threads} must be between 1 and 16')
     self.chunk = chunk
@@ -161,7 +162,7 @@ def wait(futures: list[concurrent.futures.Future]) -> None:
 
 
 def read_through(path: str | os.PathLike, *, file_bytes: int, chunk_bytes: int = CHUNK,
-                 threads: int = 3) -> tuple[float, bool, str]:
+                 threads: int = IO_THREADS) -> tuple[float, bool, str]:
   """Reads a file's first file_bytes as the engine reads weights (O_DIRECT where allowed,
   chunk_bytes per request on `threads` I/O threads, a window of threads x chunk_bytes at a
   time). Returns (seconds, whether the reads were direct, why not)."""

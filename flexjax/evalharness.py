@@ -28,6 +28,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
+from flexjax import diskio
 from flexjax.checkpoint import Checkpoint
 from flexjax.config import DTYPES
 from flexjax.engine import Engine, GenerationConfig
@@ -55,7 +56,7 @@ class HarnessOptions:
   disk_mem: float | None = None
   offload_dir: str | None = None
   weights_cache: str | None = None
-  io_threads: int = 3
+  io_threads: int = diskio.IO_THREADS
   host_memory: str = 'auto'  # host-tier weights: 'auto' | 'pinned' | 'pageable'
   max_length: int | None = None  # None: the model's positions
   max_gen_toks: int = 256  # generate_until's default when a task names none (lm-eval's hf: 256)

@@ -8,6 +8,7 @@ from absl import flags
 from absl import logging as absl_logging
 
 from flexjax.config import DTYPES, PRESETS
+from flexjax.diskio import IO_THREADS
 from flexjax.engine import GenerationConfig
 from flexjax.errors import FlexjaxError
 from flexjax.hardware import HOST_MEMORY
@@ -89,7 +90,7 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_string('weights_cache', None, 'Folder for the streaming weight layouts of dummy '
                       'weights and read-only checkpoints (default: $FLEXJAX_CACHE, else '
                       '~/.cache/flexjax).', **f)
-  flags.DEFINE_integer('io_threads', 3, 'Threads reading weights from disk.', lower_bound=1,
+  flags.DEFINE_integer('io_threads', IO_THREADS, 'Threads reading weights from disk.', lower_bound=1,
                        upper_bound=16, **f)
   flags.DEFINE_enum('host_memory', 'auto', list(HOST_MEMORY), 'Where host-tier weights live: '
                     'pinned host memory, which the device copies by DMA (auto: on an accelerator '

@@ -290,7 +290,7 @@ def probe_bytes(platform: str, *, size_mb: int = 256, hidden: int = 2048,
   cpu = platform == 'cpu'
   itemsize = 4 if cpu else 2
   rows = max(_probe_sizes(quick))
-  window = 3 * diskio.CHUNK
+  window = diskio.IO_THREADS * diskio.CHUNK  # diskio.read_through's window
   library = (2 * 4 * hidden * hidden * 4 + library_scratch.ONEDNN_WORKSPACE
              if linear.in_library(platform, 'float32' if cpu else 'float16', rows) else 0)
   products = PROBE_WEIGHTS + rows * hidden * itemsize + 2 * rows * 4 * hidden * itemsize + library

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from flexjax import config as config_lib
-from flexjax import cost_model, hardware, search
+from flexjax import cost_model, diskio, hardware, search
 from flexjax import progress as progress_lib
 from flexjax import plan as plan_lib
 from flexjax.memwatch import MemoryWatch
@@ -53,7 +53,7 @@ class RunConfig:
   offload_dir: str | None = None
   drop_page_cache: bool = False
   weights_cache: str | None = None  # streaming layouts of dummy / read-only weights
-  io_threads: int = 3  # threads reading weights from disk
+  io_threads: int = diskio.IO_THREADS  # threads reading weights from disk
   host_memory: str = 'auto'  # host-tier weights: 'auto' | 'pinned' | 'pageable'
   output: str | None = None
   input: str | None = None  # a batch job's JSONL rows (flexjax.job); output is then required
