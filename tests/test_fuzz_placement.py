@@ -1,0 +1,46 @@
+"""Placements drawn at random reproduce the all-device run (tools/fuzz_placement.py)."""
+
+import tempfile
+
+import pytest
+
+from tools import fuzz_placement
+
+SEEDS = range(16)
+
+
+@pytest.mark.parametrize('seed', SEEDS)
+def test_a_drawn_placement_reproduces_the_all_device_run(seed):
+  row = fuzz_placement.run_case(fuzz_placement.draw_case(seed))
+  assert row['same_tokens'], row
+  assert row['ok'], row
+
+
+def test_the_draws_cover_every_kind_of_run():
+  cases = [fuzz_placement.draw_case(s) for s in SEEDS]
+  p = [c.policy for c in cases]
+  assert {c.model['family'] for c in cases} == {'opt', 'llama'}
+  assert any(x['w_gpu_percent'] + x['w_cpu_percent'] < 100 for x in p)  # weights on disk
+  assert any(x['cache_gpu_percent'] + x['cache_cpu_percent'] < 100 for x in p)  # cache on disk
+  assert any(x['act_gpu_percent'] + x['act_cpu_percent'] < 100 for x in p)  # hidden on disk
+  assert any(x['cpu_attention'] for x in p) and any(not x['overlap'] for x in p)
+  assert any(x['placement'] == 'flexgen' for x in p)
+  assert any(x['num_gpu_batches'] > 1 for x in p)
+  assert any(c.approx.get('compress_weight') for c in cases)
+  assert any(c.approx.get('compress_cache') for c in cases)
+  assert any(c.approx.get('attn_sparsity') for c in cases)
+  assert any(c.compute_dtype == 'bfloat16' for c in cases)
+  assert any(c.generation['temperature'] > 0 for c in cases)
+  assert any(len(c.prompts) % (x['gpu_batch_size'] * x['num_gpu_batches'])
+             for c, x in zip(cases, p))  # a last block short of rows
+
+
+def test_the_comparison_tells_other_weights_apart():
+  case = fuzz_placement.draw_case(4)
+  with tempfile.TemporaryDirectory() as tmp:
+    reference = fuzz_placement.generate(case, {'gpu_batch_size': len(case.prompts)}, tmp)
+    same = fuzz_placement.generate(case, case.policy, tmp)
+    other = fuzz_placement.generate(case, case.policy, tmp, weight_seed=case.seed + 1)
+  assert fuzz_placement.compare(reference, same, 'float32')['ok']
+  verdict = fuzz_placement.compare(reference, other, 'float32')
+  assert not verdict['ok'] and verdict['logit_diff'] > 1e-3

@@ -1,0 +1,174 @@
+"""Random placements against the all-device run: draws a small model, prompts, a generation
+config, approximations and a policy at random, runs the same prompts once with everything on the
+device and once with the drawn policy, and compares the two.
+
+  python -m tools.fuzz_placement --draws=200 --seed=0
+  python -m tools.fuzz_placement --draws=50 --seed=7 --output=fuzz.jsonl
+
+Both runs use the same approximations (int4 weights or cache, sparse attention) and compute
+dtype, so every difference comes from where tensors live and in which order the block schedule
+computes them: the tokens must be equal and the logits equal within float32 rounding (a
+bfloat16 ulp where the compute dtype is bfloat16). Exit status 1 when any draw differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from absl import app, flags
+
+# largest |logit difference| / max |logit| allowed per compute dtype: float32 rounding of
+# products summed in another order; one bfloat16 ulp
+TOLERANCE = {'float32': 1e-5, 'bfloat16': 2.0**-7}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One draw: a model shape, prompts (token ids), generation, approximations and a policy."""
+
+  seed: int
+  model: dict[str, Any]  # ModelConfig fields
+  prompts: tuple[tuple[int, ...], ...]
+  generation: dict[str, Any]  # GenerationConfig fields
+  approx: dict[str, Any]  # Policy fields of section 5's approximations
+  policy: dict[str, Any]  # Policy fields of placement and schedule
+  compute_dtype: str
+
+
+def draw_model(rng: random.Random) -> dict[str, Any]:
+  """An OPT (pre- or post-LayerNorm, with or without a projected embedding) or a Llama
+  (grouped-query, tied or untied head) shape of 1-3 layers."""
+  family = rng.choice(['opt', 'opt', 'llama'])
+  heads = rng.choice([1, 2, 3, 4, 5, 6])
+  fields = dict(name=f'fuzz-{family}', num_layers=rng.choice([1, 2, 3]),
+                hidden_size=heads * rng.choice([4, 8, 16]), num_heads=heads,
+                ffn_dim=rng.choice([16, 24, 40, 72, 128]),
+                vocab_size=rng.choice([257, 500, 1001]), max_positions=128, family=family)
+  if family == 'opt':
+    fields['do_layer_norm_before'] = rng.random() < 0.7
+    if rng.random() < 0.25:
+      fields['word_embed_proj_dim'] = rng.choice([8, 16, 24])
+  else:
+    fields['num_kv_heads'] = rng.choice([d for d in range(1, heads + 1) if heads % d == 0])
+    fields['enable_bias'] = False
+    fields['tie_word_embeddings'] = rng.random() < 0.5
+    fields['rope_theta'] = rng.choice([10000.0, 500000.0])
+  return fields
+
+
+def draw_policy(rng: random.Random) -> dict[str, Any]:
+  """Batch shape, every tier split (whole tiers, round and arbitrary percents), schedule."""
+  policy: dict[str, Any] = dict(gpu_batch_size=rng.choice([1, 2, 3, 4, 8]),
+                                num_gpu_batches=rng.choice([1, 1, 2, 3]))
+  for kind in ('w', 'cache', 'act'):
+    gpu = rng.choice([0, 0, 10, 25, 50, 75, 100, round(rng.uniform(0, 100), 3)])
+    cpu = min(100 - gpu, rng.choice([0, 25, 50, 100 - gpu, round(rng.uniform(0, 100 - gpu), 3)]))
+    policy[f'{kind}_gpu_percent'] = gpu
+    policy[f'{kind}_cpu_percent'] = cpu
+  policy['overlap'] = rng.random() < 0.8
+  policy['cpu_attention'] = rng.random() < 0.3
+  policy['placement'] = 'flexgen' if rng.random() < 0.2 else 'exact'
+  return policy
+
+
+def draw_approx(rng: random.Random) -> dict[str, Any]:
+  approx: dict[str, Any] = {}
+  if rng.random() < 0.25:
+    approx['compress_weight'] = True
+  if rng.random() < 0.25:
+    approx['compress_cache'] = True
+  if approx and rng.random() < 0.5:
+    approx['compress_group_size'] = rng.choice([16, 32])
+  if rng.random() < 0.15:
+    approx['attn_sparsity'] = rng.choice([0.25, 0.5])
+  return approx
+
+
+def draw_case(seed: int) -> Case:
+  rng = random.Random(seed)
+  model = draw_model(rng)
+  prompts = tuple((2,) + tuple(rng.randint(3, model['vocab_size'] - 1)
+                               for _ in range(rng.randint(0, 20)))
+                  for _ in range(rng.randint(1, 10)))
+  generation = dict(gen_len=rng.randint(1, 8), temperature=rng.choice([0.0, 0.0, 0.8]),
+                    top_p=rng.choice([1.0, 0.9]), seed=rng.randint(0, 5),
+                    stop_at_eos=rng.random() < 0.5)
+  approx = draw_approx(rng)
+  policy = draw_policy(rng)
+  compute_dtype = 'bfloat16' if rng.random() < 0.1 else 'float32'
+  return Case(seed, model, prompts, generation, approx, policy, compute_dtype)
+
+
+def generate(case: Case, policy: dict[str, Any], offload_dir: str, *,
+             weight_seed: int | None = None):
+  """The case's prompts generated under `policy` (with the case's approximations)."""
+  from flexjax.config import ModelConfig
+  from flexjax.engine import Engine, GenerationConfig
+  from flexjax.policy import Policy
+  from flexjax.weights import DummyWeights
+  weights = DummyWeights(ModelConfig(**case.model), dtype='float32',
+                         seed=case.seed if weight_seed is None else weight_seed)
+  with Engine(weights, policy=Policy(**policy, **case.approx), compute_dtype=case.compute_dtype,
+              offload_dir=offload_dir) as engine:
+    return engine.generate([list(p) for p in case.prompts],
+                           GenerationConfig(**case.generation), return_logits=True)
+
+
+def compare(reference, result, compute_dtype: str) -> dict[str, Any]:
+  """Tokens equal and logits within the dtype's tolerance of the reference's largest."""
+  same_tokens = bool(np.array_equal(reference.tokens, result.tokens))
+  same_shape = reference.logits.shape == result.logits.shape
+  scale = float(np.max(np.abs(reference.logits)))
+  diff = float(np.max(np.abs(reference.logits - result.logits))) if same_shape else float('inf')
+  return {'same_tokens': same_tokens, 'logit_diff': diff, 'logit_scale': scale,
+          'ok': same_tokens and diff <= TOLERANCE[compute_dtype] * max(scale, 1e-3)}
+
+
+def run_case(case: Case) -> dict[str, Any]:
+  """The drawn policy against everything on the device; the offload folder left empty."""
+  with tempfile.TemporaryDirectory(prefix='flexjax-fuzz-') as tmp:
+    reference = generate(case, {'gpu_batch_size': len(case.prompts)}, tmp)
+    result = generate(case, case.policy, tmp)
+    left = sorted(p.name for p in Path(tmp).iterdir())
+  row = {**dataclasses.asdict(case), **compare(reference, result, case.compute_dtype),
+         'left_in_offload_dir': left}
+  row['ok'] = row['ok'] and not left
+  return row
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_integer('draws', 100, 'Cases to draw.', lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer('seed', 0, 'Seed of the first draw; draw i uses seed + i.',
+                       lower_bound=0, flag_values=fv)
+  flags.DEFINE_string('output', None, 'Append one JSON line per draw here.', flag_values=fv)
+
+
+def main(argv) -> None:
+  del argv
+  fv = flags.FLAGS
+  bad = 0
+  for seed in range(fv.seed, fv.seed + fv.draws):
+    row = run_case(draw_case(seed))
+    bad += not row['ok']
+    print(f'seed {seed}: {"ok" if row["ok"] else "DIFFERS"} (tokens '
+          f'{"equal" if row["same_tokens"] else "differ"}, logits within '
+          f'{row["logit_diff"]:.2e} of {row["logit_scale"]:.2e})'
+          + ('' if row['ok'] else f'\n  {json.dumps(row)}'), flush=True)
+    if fv.output:
+      with open(fv.output, 'a') as f:
+        f.write(json.dumps(row) + '\n')
+  print(f'{fv.draws - bad} of {fv.draws} draws reproduce the all-device run')
+  if bad:
+    sys.exit(1)
+
+
+if __name__ == '__main__':
+  define_flags(flags.FLAGS)
+  app.run(main)
