@@ -68,7 +68,8 @@ class GenerationResult:
   weight_loads: dict[str, int]  # per stage: times its weights were brought to the device
   bytes_moved: dict[str, int]  # from host/disk tiers: weights, weights_disk, k_cache, v_cache
   disk_weight_bytes: dict[str, int]  # weight bytes read from disk per phase (prefill, decode)
-  logits: np.ndarray | None = None  # [num_prompts, gen_len, vocab] float32 when asked for
+  # [num_prompts, gen_len, vocab] float32 when asked for; zeros after a row's EOS or limit
+  logits: np.ndarray | None = None
   # Without overlap: seconds per phase ('prefill', 'decode') and part of the work (BREAKDOWN_PARTS
   # and 'total'); None under overlap, where the parts run at the same time.
   breakdown: dict[str, dict[str, float]] | None = None

@@ -202,8 +202,8 @@ class Executor:
                                        temperature=gen.temperature, top_p=gen.top_p)
       chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
       batch.out[:, token] = np.where(batch.finished, self.cfg.pad_token_id, chosen)
-      if batch.logits is not None:
-        batch.logits[:, token] = np.asarray(logits)
+      if batch.logits is not None:  # a finished row's are zeros, however long its block runs
+        batch.logits[:, token] = np.where(batch.finished[:, None], 0, np.asarray(logits))
       batch.steps = token + 1
       if gen.stop_at_eos:
         batch.finished |= batch.out[:, token] == self.cfg.eos_token_id

@@ -31,6 +31,10 @@ def test_the_draws_cover_every_kind_of_run():
   assert any(c.approx.get('attn_sparsity') for c in cases)
   assert any(c.compute_dtype == 'bfloat16' for c in cases)
   assert any(c.generation['temperature'] > 0 for c in cases)
+  assert any(c.generation['stop_at_eos'] for c in cases)
+  assert any(c.weight_dtype == 'float16' for c in cases)
+  for call in ('limits', 'pad_to', 'forced_tokens'):
+    assert any(call in c.calls for c in cases), call
   assert any(len(c.prompts) % (x['gpu_batch_size'] * x['num_gpu_batches'])
              for c, x in zip(cases, p))  # a last block short of rows
 

@@ -40,6 +40,9 @@ class Case:
   approx: dict[str, Any]  # Policy fields of section 5's approximations
   policy: dict[str, Any]  # Policy fields of placement and schedule
   compute_dtype: str
+  weight_dtype: str  # the weights' storage dtype
+  calls: dict[str, Any]  # Engine.generate's per-row arguments: limits, pad_to, forced_tokens
+  io_threads: int
 
 
 def draw_model(rng: random.Random) -> dict[str, Any]:
@@ -96,14 +99,25 @@ def draw_case(seed: int) -> Case:
   model = draw_model(rng)
   prompts = tuple((2,) + tuple(rng.randint(3, model['vocab_size'] - 1)
                                for _ in range(rng.randint(0, 20)))
-                  for _ in range(rng.randint(1, 10)))
+                  for _ in range(rng.randint(1, 14)))
   generation = dict(gen_len=rng.randint(1, 8), temperature=rng.choice([0.0, 0.0, 0.8]),
                     top_p=rng.choice([1.0, 0.9]), seed=rng.randint(0, 5),
                     stop_at_eos=rng.random() < 0.5)
   approx = draw_approx(rng)
   policy = draw_policy(rng)
   compute_dtype = 'bfloat16' if rng.random() < 0.1 else 'float32'
-  return Case(seed, model, prompts, generation, approx, policy, compute_dtype)
+  weight_dtype = rng.choice(['float32', 'float32', 'float16'])
+  calls: dict[str, Any] = {}
+  gen_len = generation['gen_len']
+  if rng.random() < 0.3:
+    calls['limits'] = [rng.randint(1, gen_len) for _ in prompts]
+  if rng.random() < 0.2:
+    calls['pad_to'] = max(map(len, prompts)) + rng.randint(0, 9)
+  if rng.random() < 0.15:
+    calls['forced_tokens'] = [[rng.randint(3, model['vocab_size'] - 1) for _ in range(gen_len)]
+                              for _ in prompts]
+  return Case(seed, model, prompts, generation, approx, policy, compute_dtype, weight_dtype,
+              calls, rng.choice([1, 2, 3, 4]))
 
 
 def generate(case: Case, policy: dict[str, Any], offload_dir: str, *,
@@ -113,12 +127,12 @@ def generate(case: Case, policy: dict[str, Any], offload_dir: str, *,
   from flexjax.engine import Engine, GenerationConfig
   from flexjax.policy import Policy
   from flexjax.weights import DummyWeights
-  weights = DummyWeights(ModelConfig(**case.model), dtype='float32',
+  weights = DummyWeights(ModelConfig(**case.model), dtype=case.weight_dtype,
                          seed=case.seed if weight_seed is None else weight_seed)
   with Engine(weights, policy=Policy(**policy, **case.approx), compute_dtype=case.compute_dtype,
-              offload_dir=offload_dir) as engine:
-    return engine.generate([list(p) for p in case.prompts],
-                           GenerationConfig(**case.generation), return_logits=True)
+              offload_dir=offload_dir, io_threads=case.io_threads) as engine:
+    return engine.generate([list(p) for p in case.prompts], GenerationConfig(**case.generation),
+                           return_logits=True, **case.calls)
 
 
 def compare(reference, result, compute_dtype: str) -> dict[str, Any]:
