@@ -77,9 +77,13 @@ def test_random_cases_are_valid_runs_of_every_kind():
   for case in drawn:
     fv = flags.FlagValues()
     flags_lib.define_flags(fv)
-    fv(['flexjax', *memcheck.COMMON, *case])
+    job = ['--input=rows.jsonl', '--output=out.jsonl'] if case.job else []
+    fv(['flexjax', *memcheck.COMMON, *case.flags, *job])
     rc = flags_lib.run_config_from_flags(fv)
     assert rc.policy_mode in ('auto', 'manual')
-  every = {flag.split('=')[0] for case in drawn for flag in case}
+    assert (rc.input is not None) is case.job
+  assert any(c.job for c in drawn) and not all(c.job for c in drawn)
+  assert any(c.job and '--policy=auto' in c.flags for c in drawn)
+  every = {flag.split('=')[0] for case in drawn for flag in case.flags}
   assert {'--policy', '--compress_weight', '--compress_cache', '--cpu_attention', '--nooverlap',
           '--attn_sparsity', '--placement', '--compute_dtype', '--act_gpu_percent'} <= every

@@ -19,7 +19,7 @@ import random
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import app, flags
 
@@ -103,16 +103,23 @@ class Refused(Exception):
   """A case flexjax refused before any work (exit status 2, a one-line error)."""
 
 
-def random_case(rng: random.Random) -> tuple[str, ...]:
-  """Flags of one run drawn at random: a small model and shape, and either a searched policy
-  under a RAM budget or a manual one with every tier split, approximation and schedule option
-  drawn (placements the named cases do not cover)."""
+class RandomCase(NamedTuple):
+  flags: tuple[str, ...]
+  job: bool  # a batch job over job_rows() (--input) rather than one padded batch
+
+
+def random_case(rng: random.Random) -> RandomCase:
+  """One run drawn at random: a small model and shape, one batch or a batch job of mixed
+  lengths, and either a searched policy under a RAM budget or a manual one with every tier
+  split, approximation and schedule option drawn (placements the named cases do not cover)."""
   model = rng.choice(['opt-125m', 'opt-125m', 'opt-350m', 'smollm2-135m'])
-  out = [f'--model={model}', f'--prompt_len={rng.choice([16, 64, 128, 256, 512])}',
-         f'--gen_len={rng.choice([2, 4, 8, 16])}']
+  job = rng.random() < 0.2
+  out = [f'--model={model}', f'--gen_len={rng.choice([2, 4, 8, 16])}']
+  if not job:  # a job's prompt lengths are its rows'
+    out.append(f'--prompt_len={rng.choice([16, 64, 128, 256, 512])}')
   if rng.random() < 0.2:
     out += ['--policy=auto', f'--cpu_mem={rng.choice([1.5, 2, 3])}']
-    return tuple(out + (['--compress_cache'] if rng.random() < 0.3 else []))
+    return RandomCase(tuple(out + (['--compress_cache'] if rng.random() < 0.3 else [])), job)
   out += [f'--gpu_batch_size={rng.choice([1, 2, 4, 8, 16, 32])}',
           f'--num_gpu_batches={rng.choice([1, 1, 2, 3])}']
   for kind in ('w', 'cache', 'act'):
@@ -126,7 +133,7 @@ def random_case(rng: random.Random) -> tuple[str, ...]:
                   ('--placement=flexgen', 0.15), ('--compute_dtype=bfloat16', 0.15)):
     if rng.random() < p:
       out.append(flag)
-  return tuple(out)
+  return RandomCase(tuple(out), job)
 
 
 def job_rows(count: int = 48) -> list[dict[str, Any]]:
@@ -137,13 +144,16 @@ def job_rows(count: int = 48) -> list[dict[str, Any]]:
            'max_new_tokens': rng.choice([2, 4, 8, 16])} for i in range(count)]
 
 
-def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -> dict[str, Any]:
-  """Runs one case in a fresh process; returns its planned and measured peaks."""
+def run_case(name: str, extra: tuple[str, ...] = (), *, job: bool | None = None,
+             timeout: float = 1800) -> dict[str, Any]:
+  """Runs one case in a fresh process (a batch job over job_rows() where `job`, by default
+  the JOB_CASES); returns its planned and measured peaks."""
+  job = name in JOB_CASES if job is None else job
   argv = [sys.executable, '-m', 'flexjax.main', *COMMON,
           *CASES.get(name, JOB_CASES.get(name, ())), *extra]
   with tempfile.TemporaryDirectory(prefix='flexjax-memcheck-') as tmp:
     path = os.path.join(tmp, 'report.json')
-    if name in JOB_CASES:
+    if job:
       rows = os.path.join(tmp, 'rows.jsonl')
       with open(rows, 'w') as f:
         f.writelines(json.dumps(row) + '\n' for row in job_rows())
@@ -163,7 +173,7 @@ def run_case(name: str, extra: tuple[str, ...] = (), *, timeout: float = 1800) -
   planned = report[f'planned_{tier}_peak_bytes']
   measured = report[f'measured_{tier}_peak_bytes']
   return {'case': name, 'flags': list(CASES.get(name, JOB_CASES.get(name, ()))) + list(extra),
-          'tier': tier, 'planned': planned, 'measured': measured,
+          'job': job, 'tier': tier, 'planned': planned, 'measured': measured,
           'ratio': planned / max(1, measured), 'fits': measured <= planned,
           'policy': report['policy'],
           'total_tok_s': report.get('total_tok_s', report.get('actual_tok_s'))}
@@ -236,16 +246,17 @@ def main(argv) -> None:
     print(json.dumps(measure_overhead()))
     return
   rng = random.Random(fv.seed)
-  cases = ([(f'random{fv.seed}-{i}', random_case(rng)) for i in range(fv.random)] if fv.random
-           else [(name, ()) for name in fv.only or list(CASES) + list(JOB_CASES)])
+  cases = ([(f'random{fv.seed}-{i}', *random_case(rng)) for i in range(fv.random)]
+           if fv.random else
+           [(name, (), None) for name in fv.only or list(CASES) + list(JOB_CASES)])
   known = list(CASES) + list(JOB_CASES)
-  unknown = [n for n, _ in cases if n not in known and not fv.random]
+  unknown = [n for n, _, _ in cases if n not in known and not fv.random]
   if unknown:
     raise app.UsageError(f'unknown cases {unknown}; choose from {", ".join(known)}')
   rows = []
-  for name, extra in cases:
+  for name, extra, job in cases:
     try:
-      row = run_case(name, extra)
+      row = run_case(name, extra, job=job)
     except Refused as e:
       if not fv.random:
         raise
