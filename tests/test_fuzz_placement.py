@@ -47,4 +47,4 @@ def test_the_comparison_tells_other_weights_apart():
     other = fuzz_placement.generate(case, case.policy, tmp, weight_seed=case.seed + 1)
   assert fuzz_placement.compare(reference, same, 'float32')['ok']
   verdict = fuzz_placement.compare(reference, other, 'float32')
-  assert not verdict['ok'] and verdict['logit_diff'] > 1e-3
+  assert not verdict['ok'] and verdict['logit_diff'] > 1e-3 and verdict['score_diff'] > 1e-3

@@ -122,27 +122,41 @@ def draw_case(seed: int) -> Case:
 
 def generate(case: Case, policy: dict[str, Any], offload_dir: str, *,
              weight_seed: int | None = None):
-  """The case's prompts generated under `policy` (with the case's approximations)."""
+  """The case's prompts generated under `policy` (with the case's approximations), and the
+  prompts' logits from Engine.score (every position, the stages run one after another) where
+  the case has no approximation (score keeps no cache and reads weights as placed)."""
   from flexjax.config import ModelConfig
-  from flexjax.engine import Engine, GenerationConfig
+  from flexjax.engine import Engine, GenerationConfig, pad_prompts
   from flexjax.policy import Policy
   from flexjax.weights import DummyWeights
   weights = DummyWeights(ModelConfig(**case.model), dtype=case.weight_dtype,
                          seed=case.seed if weight_seed is None else weight_seed)
   with Engine(weights, policy=Policy(**policy, **case.approx), compute_dtype=case.compute_dtype,
               offload_dir=offload_dir, io_threads=case.io_threads) as engine:
-    return engine.generate([list(p) for p in case.prompts], GenerationConfig(**case.generation),
-                           return_logits=True, **case.calls)
+    result = engine.generate([list(p) for p in case.prompts],
+                             GenerationConfig(**case.generation), return_logits=True, **case.calls)
+    if case.approx:
+      return result, None
+    tokens, mask = pad_prompts(case.prompts, max(map(len, case.prompts)), 1)
+    return result, engine.score(tokens, mask) * mask[..., None]  # padding's logits: no value
 
 
 def compare(reference, result, compute_dtype: str) -> dict[str, Any]:
-  """Tokens equal and logits within the dtype's tolerance of the reference's largest."""
-  same_tokens = bool(np.array_equal(reference.tokens, result.tokens))
-  same_shape = reference.logits.shape == result.logits.shape
-  scale = float(np.max(np.abs(reference.logits)))
-  diff = float(np.max(np.abs(reference.logits - result.logits))) if same_shape else float('inf')
-  return {'same_tokens': same_tokens, 'logit_diff': diff, 'logit_scale': scale,
-          'ok': same_tokens and diff <= TOLERANCE[compute_dtype] * max(scale, 1e-3)}
+  """Tokens equal, and the generated and scored logits within the dtype's tolerance of the
+  reference's largest. reference, result: generate()'s pairs."""
+  (ref, ref_scores), (out, out_scores) = reference, result
+  same_tokens = bool(np.array_equal(ref.tokens, out.tokens))
+  diffs = {'logit_diff': _diff(ref.logits, out.logits)}
+  if ref_scores is not None:
+    diffs['score_diff'] = _diff(ref_scores, out_scores)
+  scale = float(np.max(np.abs(ref.logits)))
+  tolerance = TOLERANCE[compute_dtype] * max(scale, 1e-3)
+  return {'same_tokens': same_tokens, **diffs, 'logit_scale': scale,
+          'ok': same_tokens and all(d <= tolerance for d in diffs.values())}
+
+
+def _diff(a: np.ndarray, b: np.ndarray) -> float:
+  return float(np.max(np.abs(a - b))) if a.shape == b.shape else float('inf')
 
 
 def run_case(case: Case) -> dict[str, Any]:
@@ -173,7 +187,8 @@ def main(argv) -> None:
     bad += not row['ok']
     print(f'seed {seed}: {"ok" if row["ok"] else "DIFFERS"} (tokens '
           f'{"equal" if row["same_tokens"] else "differ"}, logits within '
-          f'{row["logit_diff"]:.2e} of {row["logit_scale"]:.2e})'
+          f'{row["logit_diff"]:.2e} of {row["logit_scale"]:.2e}'
+          + (f', scores within {row["score_diff"]:.2e}' if 'score_diff' in row else '') + ')'
           + ('' if row['ok'] else f'\n  {json.dumps(row)}'), flush=True)
     if fv.output:
       with open(fv.output, 'a') as f:
