@@ -7,8 +7,8 @@ device and once with the drawn policy, and compares the two.
 
 Both runs use the same approximations (int4 weights or cache, sparse attention) and compute
 dtype, so every difference comes from where tensors live and in which order the block schedule
-computes them: the tokens must be equal and the logits equal within float32 rounding (a
-bfloat16 ulp where the compute dtype is bfloat16). Exit status 1 when any draw differs.
+computes them: the tokens must be equal and the logits equal within float32 rounding (four
+bfloat16 ulps where the compute dtype is bfloat16). Exit status 1 when any draw differs.
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import numpy as np
 from absl import app, flags
 
 # largest |logit difference| / max |logit| allowed per compute dtype: float32 rounding of
-# products summed in another order; one bfloat16 ulp
-TOLERANCE = {'float32': 1e-5, 'bfloat16': 2.0**-7}
+# products summed in another order; four bfloat16 ulps (attention on the CPU backend rounds
+# its bfloat16 inputs and outputs at other points than the device's: up to ~2 ulps of the
+# largest logit after three layers)
+TOLERANCE = {'float32': 1e-5, 'bfloat16': 2.0**-5}
 
 
 @dataclasses.dataclass(frozen=True)
