@@ -150,7 +150,8 @@ class Engine:
                overhead: plan_lib.Overhead | None = None,
                planner: plan_lib.Planner | None = None, offload_dir: str | None = None,
                drop_page_cache: bool = False, weights_cache: str | None = None,
-               io_threads: int = diskio.IO_THREADS, host_memory: str = 'auto', progress: bool = False):
+               io_threads: int = diskio.IO_THREADS, host_memory: str = 'auto',
+               progress: bool = False):
     self.config: ModelConfig = weights.config
     self.policy = policy
     self.weight_dtype = weights.dtype

@@ -90,8 +90,8 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_string('weights_cache', None, 'Folder for the streaming weight layouts of dummy '
                       'weights and read-only checkpoints (default: $FLEXJAX_CACHE, else '
                       '~/.cache/flexjax).', **f)
-  flags.DEFINE_integer('io_threads', IO_THREADS, 'Threads reading weights from disk.', lower_bound=1,
-                       upper_bound=16, **f)
+  flags.DEFINE_integer('io_threads', IO_THREADS, 'Threads reading weights from disk.',
+                       lower_bound=1, upper_bound=16, **f)
   flags.DEFINE_enum('host_memory', 'auto', list(HOST_MEMORY), 'Where host-tier weights live: '
                     'pinned host memory, which the device copies by DMA (auto: on an accelerator '
                     'that offers it), or pageable numpy buffers (auto on the CPU backend, where '
