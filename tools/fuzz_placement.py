@@ -139,7 +139,8 @@ def generate(case: Case, policy: dict[str, Any], offload_dir: str, *,
                              GenerationConfig(**case.generation), return_logits=True, **case.calls)
     if case.approx:
       return result, None
-    tokens, mask = pad_prompts(case.prompts, max(map(len, case.prompts)), 1)
+    tokens, mask = pad_prompts(case.prompts, max(map(len, case.prompts)),
+                               engine.config.pad_token_id)
     return result, engine.score(tokens, mask) * mask[..., None]  # padding's logits: no value
 
 
