@@ -27,7 +27,7 @@ from absl import app, flags
 # largest |logit difference| / max |logit| allowed per compute dtype: float32 rounding of
 # products summed in another order; four bfloat16 ulps (products of other row counts and
 # attention on the CPU backend round bfloat16 at other points, and sparse attention may then
-# keep the other of two near-equal positions: up to 3.1 ulps of the largest logit in 62
+# keep the other of two near-equal positions: up to 3.1 ulps of the largest logit in 76
 # bfloat16 draws)
 TOLERANCE = {'float32': 1e-5, 'bfloat16': 2.0**-5}
 
