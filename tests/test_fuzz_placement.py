@@ -43,9 +43,10 @@ def test_the_draws_cover_every_kind_of_run():
 
 def test_the_comparison_tells_other_weights_apart():
   case = fuzz_placement.draw_case(4)
-  with tempfile.TemporaryDirectory() as tmp:
-    reference = fuzz_placement.generate(case, case.policy, tmp)
-    other = fuzz_placement.generate(case, case.policy, tmp, weight_seed=case.seed + 1)
+  with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as layouts:
+    reference = fuzz_placement.generate(case, case.policy, tmp, weights_cache=layouts)
+    other = fuzz_placement.generate(case, case.policy, tmp, weights_cache=layouts,
+                                    weight_seed=case.seed + 1)
   assert fuzz_placement.compare(reference, reference, 'float32')['ok']
   verdict = fuzz_placement.compare(reference, other, 'float32')
   assert not verdict['ok'] and verdict['logit_diff'] > 1e-3 and verdict['score_diff'] > 1e-3

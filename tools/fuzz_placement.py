@@ -123,7 +123,7 @@ def draw_case(seed: int) -> Case:
               calls, rng.choice([1, 2, 3, 4]))
 
 
-def generate(case: Case, policy: dict[str, Any], offload_dir: str, *,
+def generate(case: Case, policy: dict[str, Any], offload_dir: str, *, weights_cache: str,
              weight_seed: int | None = None):
   """The case's prompts generated under `policy` (with the case's approximations), and the
   prompts' logits from Engine.score (every position, the stages run one after another) where
@@ -135,7 +135,8 @@ def generate(case: Case, policy: dict[str, Any], offload_dir: str, *,
   weights = DummyWeights(ModelConfig(**case.model), dtype=case.weight_dtype,
                          seed=case.seed if weight_seed is None else weight_seed)
   with Engine(weights, policy=Policy(**policy, **case.approx), compute_dtype=case.compute_dtype,
-              offload_dir=offload_dir, io_threads=case.io_threads) as engine:
+              offload_dir=offload_dir, weights_cache=weights_cache,
+              io_threads=case.io_threads) as engine:
     result = engine.generate([list(p) for p in case.prompts],
                              GenerationConfig(**case.generation), return_logits=True, **case.calls)
     if case.approx:
@@ -164,10 +165,12 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def run_case(case: Case) -> dict[str, Any]:
-  """The drawn policy against everything on the device; the offload folder left empty."""
-  with tempfile.TemporaryDirectory(prefix='flexjax-fuzz-') as tmp:
-    reference = generate(case, {'gpu_batch_size': len(case.prompts)}, tmp)
-    result = generate(case, case.policy, tmp)
+  """The drawn policy against everything on the device; the offload folder left empty. The
+  draw's weight layouts live in a folder of its own, removed with it."""
+  with (tempfile.TemporaryDirectory(prefix='flexjax-fuzz-') as tmp,
+        tempfile.TemporaryDirectory(prefix='flexjax-fuzz-layouts-') as layouts):
+    reference = generate(case, {'gpu_batch_size': len(case.prompts)}, tmp, weights_cache=layouts)
+    result = generate(case, case.policy, tmp, weights_cache=layouts)
     left = sorted(p.name for p in Path(tmp).iterdir())
   row = {**dataclasses.asdict(case), **compare(reference, result, case.compute_dtype),
          'left_in_offload_dir': left}
