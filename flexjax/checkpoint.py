@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from flexjax.config import ModelConfig, np_dtype
+from flexjax import scratch
 from flexjax import stream as stream_lib
 from flexjax.errors import FlexjaxError
 from flexjax.model import params as params_lib
@@ -48,29 +49,34 @@ class CheckpointWriter:
     if self.path.exists() and not overwrite:
       raise FlexjaxError(f'output {str(self.path)!r} already exists; choose another path or pass '
                          '--overwrite')
-    self._tmp: Path | None = None
+    self._partial: scratch.Claim | None = None
     self._written: list[str] = []
     self._checkpointer = ocp.PyTreeCheckpointer()
 
   def __enter__(self) -> 'CheckpointWriter':
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    self._tmp = Path(tempfile.mkdtemp(prefix=f'.{self.path.name}.partial-', dir=self.path.parent))
+    # owned while written: a conversion killed here leaves a folder the next one removes
+    self._partial = scratch.claim(self.path.parent, f'.{self.path.name}.partial-')
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    assert self._tmp is not None
-    if exc_type is None:
-      self._commit()
-    shutil.rmtree(self._tmp, ignore_errors=True)
+    assert self._partial is not None
+    try:
+      if exc_type is None:
+        self._commit()
+    finally:
+      self._partial.release()
+
+  @property
+  def _tmp(self) -> Path:
+    assert self._partial is not None, 'use CheckpointWriter as a context manager'
+    return self._partial.path
 
   @property
   def tokenizer_dir(self) -> Path:
-    assert self._tmp is not None, 'use CheckpointWriter as a context manager'
     return self._tmp / TOKENIZER_DIR
 
   def write_stage(self, stage: str, tree: params_lib.HostParams) -> None:
     """Saves one stage; its shapes must match the config."""
-    assert self._tmp is not None, 'use CheckpointWriter as a context manager'
     _check_shapes(self.cfg, stage, {k: v.shape for k, v in params_lib.flatten(tree).items()},
                   source='written tree')
     if tree:
@@ -85,6 +91,7 @@ class CheckpointWriter:
     meta = {'format': FORMAT, 'dtype': self.dtype, 'model': self.cfg.to_dict(),
             'tokenizer': TOKENIZER_DIR if has_tokenizer else None}
     (self._tmp / META_FILE).write_text(json.dumps(meta, indent=2) + '\n')
+    self._partial.disown()  # complete: from here on the user's data, never swept
     if self.path.exists():  # overwrite: move the old one aside only now, then drop it
       old = Path(tempfile.mkdtemp(prefix=f'.{self.path.name}.old-', dir=self.path.parent))
       os.rename(self.path, old / 'ckpt')

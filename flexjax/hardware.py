@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flexjax import diskio
+from flexjax import diskio, scratch
 from flexjax.errors import FlexjaxError
 
 GB = 1e9
@@ -464,9 +464,9 @@ def _disk_overlap(compute, data: np.ndarray, scratch_dir: str | None) -> float:
   """Share of the shorter of an O_DIRECT file read and a run of `compute` calls (decode-sized
   products, as long as the read) hidden when the two run at once on two threads."""
   import threading
-  fd, path = tempfile.mkstemp(prefix='flexjax-overlap-', dir=scratch_dir)
-  try:
-    with os.fdopen(fd, 'wb') as f:
+  with scratch.claim(scratch_dir or tempfile.gettempdir(), 'flexjax-overlap-') as folder:
+    path = folder.path / 'probe.bin'
+    with open(path, 'wb') as f:
       data.tofile(f)
       f.flush()
       os.fsync(f.fileno())
@@ -499,18 +499,16 @@ def _disk_overlap(compute, data: np.ndarray, scratch_dir: str | None) -> float:
       computing()
       reader.join()
       both.append(time.perf_counter() - start)
-  finally:
-    os.unlink(path)
   hidden = (read_s + compute_s - min(both)) / min(read_s, compute_s)
   return float(min(1.0, max(0.0, hidden)))
 
 
 def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float]:
   """(read, write) bytes/s of a file, with the page cache dropped before reading."""
-  fd, path = tempfile.mkstemp(prefix='flexjax-profile-', dir=scratch_dir)
-  try:
+  with scratch.claim(scratch_dir or tempfile.gettempdir(), 'flexjax-profile-') as folder:
+    path = folder.path / 'probe.bin'
     start = time.perf_counter()
-    with os.fdopen(fd, 'wb') as f:
+    with open(path, 'wb') as f:
       data.tofile(f)
       f.flush()
       os.fsync(f.fileno())
@@ -523,6 +521,4 @@ def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float
     nbytes = data.nbytes // diskio.BLOCK * diskio.BLOCK
     seconds, _, _ = diskio.read_through(path, file_bytes=nbytes)  # as the engine reads weights
     read = nbytes / seconds
-  finally:
-    os.unlink(path)
   return read, write

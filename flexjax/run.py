@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from flexjax import config as config_lib
-from flexjax import cost_model, diskio, hardware, search
+from flexjax import cost_model, diskio, hardware, scratch, search
 from flexjax import progress as progress_lib
 from flexjax import plan as plan_lib
 from flexjax.memwatch import MemoryWatch
@@ -254,6 +254,8 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
   hardware.host_memory_kind(device, rc.host_memory)  # refused here, before any work
   compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
   watch = MemoryWatch.start(device)  # the idle process, before anything is planned
+  # what killed runs left in the offload folder goes before the free disk is measured
+  scratch.sweep(rc.offload_dir or tempfile.gettempdir())
   budgets = detected_budgets(rc, device)
   profile = resolve_profile(rc.hw_profile, device, measure_if_missing=False,
                             scratch_dir=rc.offload_dir)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from flexjax import diskio
+from flexjax import diskio, scratch
 from flexjax.errors import FlexjaxError
 
 TIERS = ('device', 'host', 'disk')
@@ -225,7 +224,7 @@ class Storage:
     self.pools: dict[str, TierAccount] = {}
     self.drop_page_cache = drop_page_cache
     self._offload_parent = Path(offload_dir) if offload_dir else None
-    self._run_dir: Path | None = None
+    self._run_dir: scratch.Claim | None = None
     self._files = 0
     self._lock = threading.Lock()
     self._disk_io: concurrent.futures.ThreadPoolExecutor | None = None  # disk arrays' reads
@@ -243,18 +242,18 @@ class Storage:
         pool.shutdown(wait=True)
     self._disk_io = self._disk_writes = None
     if self._run_dir is not None:
-      shutil.rmtree(self._run_dir, ignore_errors=True)
+      self._run_dir.release()
       self._run_dir = None
 
   @property
   def run_dir(self) -> Path:
-    """The run's offload folder, created on first use."""
+    """The run's offload folder, created on first use and owned by this process (what a
+    killed run left in the same parent is removed first: flexjax.scratch)."""
     with self._lock:
       if self._run_dir is None:
         parent = self._offload_parent or Path(tempfile.gettempdir())
-        parent.mkdir(parents=True, exist_ok=True)
-        self._run_dir = Path(tempfile.mkdtemp(prefix='flexjax-offload-', dir=parent))
-      return self._run_dir
+        self._run_dir = scratch.claim(parent, 'flexjax-offload-')
+      return self._run_dir.path
 
   def peaks(self) -> dict[str, int]:
     return {tier: account.peak for tier, account in self.accounts.items()}

@@ -12,14 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from flexjax import diskio
+from flexjax import diskio, scratch
 from flexjax import progress as progress_lib
 from flexjax.config import np_dtype
 from flexjax.errors import FlexjaxError
@@ -183,10 +181,10 @@ def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *
                  progress: bool) -> None:
   """Writes a layout into `folder` atomically: space for every file is reserved first (a full
   disk fails here, naming the folder and the bytes), then each stage is written and synced."""
-  folder.parent.mkdir(parents=True, exist_ok=True)
   total = sum(stage_file_bytes(entries) for entries in index.values())
-  tmp = Path(tempfile.mkdtemp(prefix=f'.{folder.name}.partial-', dir=folder.parent))
-  try:
+  # owned while written: a run killed here leaves a folder the next layout write removes
+  with scratch.claim(folder.parent, f'.{folder.name}.partial-') as partial:
+    tmp = partial.path
     fds = {}
     try:
       for stage, entries in index.items():
@@ -216,30 +214,28 @@ def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *
     stages = {stage: {k: dataclasses.asdict(e) for k, e in entries.items()}
               for stage, entries in index.items()}
     (tmp / INDEX).write_text(json.dumps({**meta, 'stages': stages}) + '\n')
+    partial.disown()  # a finished layout: never swept
     try:
       os.rename(tmp, folder)
     except OSError:  # another process finished the same layout first: keep theirs
       if not layout_matches(folder, meta):
         raise
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def discard(folder: Path) -> None:
   """Removes a layout folder: renamed aside first, so that no half-removed folder is left where
   a layout is looked for."""
   try:
-    aside = Path(tempfile.mkdtemp(prefix=f'.{folder.name}.stale-', dir=folder.parent))
+    aside = scratch.claim(folder.parent, f'.{folder.name}.stale-')
   except OSError as e:
     raise _cannot_discard(folder, e) from None
-  try:
-    os.rename(folder, aside / folder.name)
-  except FileNotFoundError:  # another process removed it first
-    pass
-  except OSError as e:
-    raise _cannot_discard(folder, e) from None
-  finally:
-    shutil.rmtree(aside, ignore_errors=True)
+  with aside:  # a run killed while removing leaves it to the next sweep
+    try:
+      os.rename(folder, aside.path / folder.name)
+    except FileNotFoundError:  # another process removed it first
+      pass
+    except OSError as e:
+      raise _cannot_discard(folder, e) from None
 
 
 def _cannot_discard(folder: Path, error: OSError) -> FlexjaxError:

@@ -182,21 +182,32 @@ def run_killed(cmd: list[str], out: Path, after_lines: int | None) -> bool:
 
 
 def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
+  """With the KV cache and part of the weights on disk: every restart also removes the offload
+  folders the killed runs left (flexjax.scratch)."""
   rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(14, seed=3, sampled=True)
                     + ['{"id": "broken"'])
+  offload = tmp_path / 'offload'
+  disk = ['--cache_gpu_percent=0', '--cache_cpu_percent=0', '--w_gpu_percent=40',
+          '--w_cpu_percent=20', f'--offload_dir={offload}']
   reference = tmp_path / 'reference.jsonl'
-  assert not run_killed(job_command(pre_ln.ckpt_dir, rows, reference), reference, 10**9)
+  assert not run_killed(job_command(pre_ln.ckpt_dir, rows, reference) + disk, reference, 10**9)
   expected = reference.read_bytes()
   assert expected.count(b'\n') == 15
+  assert not any(offload.iterdir())
   out = tmp_path / 'out.jsonl'
-  cmd = job_command(pre_ln.ckpt_dir, rows, out)
+  cmd = job_command(pre_ln.ckpt_dir, rows, out) + disk
   kills = 0
   for after in (None, 1, 6, 11):  # at start-up, after the bad rows, mid-job, near the end
-    kills += run_killed(cmd, out, after)
+    killed = run_killed(cmd, out, after)
+    kills += killed
     if out.exists():  # what a killed run left is whole lines only up to its progress record
       state = json.loads(out.with_name('out.jsonl.progress').read_text())
       assert expected.startswith(out.read_bytes()[:state['bytes']])
+    assert len(list(offload.iterdir())) <= 1  # each start removed the last killed run's folder
   assert kills >= 2
+  if killed:  # past its 11th line: its KV cache files are still there
+    (left,) = offload.iterdir()
+    assert any(p.suffix == '.bin' for p in left.iterdir())
   # a write torn by the kill, after the last recorded block: cut off on resume
   if out.with_name('out.jsonl.progress').exists():
     with open(out, 'ab') as f:
@@ -204,6 +215,7 @@ def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   assert not run_killed(cmd, out, 10**9)
   assert out.read_bytes() == expected  # no row lost, none twice, the same outputs in order
   assert not out.with_name('out.jsonl.progress').exists()
+  assert not any(offload.iterdir())
 
 
 def test_derived_seeds_and_buckets():

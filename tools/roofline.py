@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from flexjax import diskio, hardware
+from flexjax import diskio, hardware, scratch
 from flexjax.errors import FlexjaxError
 from flexjax.hardware import best_seconds
 
@@ -204,17 +204,14 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
   if free < file_bytes + 256 * 2**20:
     raise FlexjaxError(f'{folder!r} has {free / 2**30:.2f} GiB free; the disk probe writes '
                        f'{file_bytes / 2**30:.2f} GiB: free space or lower --file_gib')
-  fd, path = tempfile.mkstemp(prefix='flexjax-disk-probe-', dir=folder)
-  os.close(fd)
-  try:
+  with scratch.claim(folder, 'flexjax-disk-probe-') as owned:
+    path = str(owned.path / 'probe.bin')
     write_s = _write_file(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes)
     _drop_from_page_cache(path)
     read_s, direct, note = diskio.read_through(path, file_bytes=file_bytes,
                                                chunk_bytes=chunk_bytes, threads=threads)
     if not direct:
       note += '; read buffered after dropping the file from the page cache'
-  finally:
-    os.unlink(path)
   return DiskProbe(read_bw=file_bytes / read_s, write_bw=file_bytes / write_s, o_direct=direct,
                    folder=str(folder), file_bytes=file_bytes, chunk_bytes=chunk_bytes,
                    threads=threads, note=note)

@@ -1,0 +1,181 @@
+"""Folders a process owns while it lives, and the removal of what dead processes left.
+
+A run's offload folder (KV cache, hidden states: up to hundreds of GB), a weight layout or
+checkpoint being written, a disk probe's file: a process removes them when it ends, but not when
+it is killed (kill -9, the OOM killer, a preempted node). What it left would fill the disk that
+the next run, or the resumed job, plans with. So each such folder carries an owner file that its
+process holds an exclusive flock on for as long as it uses the folder; the kernel drops the lock
+when the process dies, however it dies. Before a process claims a folder it sweeps the parent:
+every folder whose owner file it can lock has no live owner and is removed (reported on stderr).
+
+A folder is only ever removed whole while its owner file is locked by the remover, and an owner
+file appears (by rename) only once its lock is held, so no live process's folder is touched.
+Folders without an owner file (the user's, finished layouts and checkpoints, a filesystem without
+flock) are never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OWNER = '.flexjax-owner'  # the owner file's name inside an owned folder
+
+
+@dataclasses.dataclass(frozen=True)
+class Removed:
+  path: Path
+  nbytes: int  # disk space it held
+
+
+class Claim:
+  """A folder this process owns (with an exclusive flock on its owner file) until release().
+
+  Use as a context manager; `disown()` first where the folder is to be kept (renamed into
+  place as a finished artifact)."""
+
+  def __init__(self, path: Path, fd: int | None):
+    self.path = path
+    self._fd = fd  # the owner file's descriptor holding the lock; None: not lockable here
+
+  def __enter__(self) -> 'Claim':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+  @property
+  def owned(self) -> bool:
+    return self._fd is not None
+
+  def disown(self) -> None:
+    """Drops the owner file and its lock: the folder is no longer scratch (a sweep leaves it)."""
+    if self._fd is not None:
+      try:
+        os.unlink(self.path / OWNER)
+      except FileNotFoundError:
+        pass
+      os.close(self._fd)
+      self._fd = None
+
+  def release(self) -> None:
+    """Removes the folder (if it is still here), the owner file last, then drops the lock: a
+    process killed while removing leaves a folder the next sweep removes."""
+    if self.path.is_dir():
+      for entry in self.path.iterdir():
+        if entry.name != OWNER:
+          _remove(entry)
+      try:
+        os.unlink(self.path / OWNER)
+      except FileNotFoundError:
+        pass
+      try:
+        os.rmdir(self.path)
+      except OSError:
+        pass
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+
+def claim(parent: str | os.PathLike, prefix: str, *, report: bool = True) -> Claim:
+  """A new folder `parent/<prefix><random>` owned by this process, after sweeping `parent`."""
+  parent = Path(parent)
+  parent.mkdir(parents=True, exist_ok=True)
+  sweep(parent, report=report)
+  path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+  try:
+    return Claim(path, _own(path))
+  except BaseException:
+    shutil.rmtree(path, ignore_errors=True)
+    raise
+
+
+def _own(path: Path) -> int | None:
+  """Puts a locked owner file into `path`; its descriptor (None: no flock on this filesystem,
+  the folder works but a sweep cannot judge it)."""
+  pending = path / (OWNER + '.pending')
+  fd = os.open(pending, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    os.close(fd)
+    os.unlink(pending)
+    return None
+  try:
+    os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(),
+                             'since': time.strftime('%Y-%m-%dT%H:%M:%S%z')}).encode())
+    os.rename(pending, path / OWNER)  # visible to sweeps only now, locked
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
+
+
+def sweep(parent: str | os.PathLike, *, report: bool = True) -> list[Removed]:
+  """Removes every folder in `parent` whose owner file no live process holds; returns them."""
+  parent = Path(parent)
+  removed = []
+  try:
+    entries = list(os.scandir(parent))
+  except OSError:
+    return removed
+  for entry in entries:
+    if not entry.is_dir(follow_symlinks=False):
+      continue
+    try:
+      fd = os.open(Path(entry.path) / OWNER, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no owner file: not a scratch folder (or not yet one)
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      os.close(fd)
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOLCK, errno.EOPNOTSUPP):
+        raise
+      continue  # a live owner (or no flock here)
+    try:
+      path = Path(entry.path)
+      nbytes = disk_bytes(path)
+      Claim(path, None).release()
+      removed.append(Removed(path, nbytes))
+    finally:
+      os.close(fd)
+  if removed and report:
+    total = sum(r.nbytes for r in removed)
+    names = ', '.join(r.path.name for r in removed)
+    print(f'flexjax: removed {len(removed)} folder{"s" * (len(removed) > 1)} in {str(parent)!r} '
+          f'left by runs that were killed ({total / 1e9:.2f} GB): {names}', file=sys.stderr,
+          flush=True)
+  return removed
+
+
+def disk_bytes(path: Path) -> int:
+  """Disk space the files under `path` hold (allocated blocks: reserved space counts)."""
+  total = 0
+  for root, _, files in os.walk(path):
+    for name in files:
+      try:
+        total += os.lstat(os.path.join(root, name)).st_blocks * 512
+      except OSError:
+        pass
+  return total
+
+
+def _remove(path: Path) -> None:
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    try:
+      os.unlink(path)
+    except FileNotFoundError:
+      pass

@@ -1,0 +1,124 @@
+"""Folders owned while a process lives; what killed processes left is removed (flexjax.scratch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flexjax import scratch
+
+REPO = Path(__file__).resolve().parents[1]
+HOLDER = '''
+import sys, time
+from flexjax import scratch
+claim = scratch.claim(sys.argv[1], sys.argv[2])
+(claim.path / 'data.bin').write_bytes(b'x' * (1 << 20))
+print(claim.path, flush=True)
+time.sleep(600)
+'''
+
+
+class Holder:
+  """Another process holding a claimed folder with 1 MiB in it, until kill()."""
+
+  def __init__(self, parent: Path, prefix: str = 'flexjax-test-'):
+    self.proc = subprocess.Popen([sys.executable, '-c', HOLDER, str(parent), prefix],
+                                 cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, JAX_PLATFORMS='cpu'))
+    self.path = Path(self.proc.stdout.readline().strip())
+    assert self.path.is_dir(), 'the holder did not claim its folder'
+
+  def kill(self) -> None:
+    self.proc.send_signal(signal.SIGKILL)
+    self.proc.wait()
+    self.proc.stdout.close()
+
+
+def test_a_killed_processs_folder_is_removed_and_a_live_ones_kept(tmp_path, capfd):
+  live, killed = Holder(tmp_path), Holder(tmp_path)
+  users = tmp_path / 'results'  # the user's own folder, and one that looks like scratch
+  users.mkdir()
+  (users / 'keep.txt').write_text('mine')
+  lookalike = tmp_path / 'flexjax-offload-mine'
+  lookalike.mkdir()
+  try:
+    killed.kill()
+    assert killed.path.is_dir()  # a killed process cleans up nothing
+    removed = scratch.sweep(tmp_path)
+    assert [r.path for r in removed] == [killed.path] and not killed.path.exists()
+    assert removed[0].nbytes >= 1 << 20  # the space it held, counted
+    assert 'removed 1 folder' in capfd.readouterr().err
+    assert live.path.is_dir() and (live.path / 'data.bin').is_file()
+    assert (users / 'keep.txt').read_text() == 'mine' and lookalike.is_dir()
+  finally:
+    live.kill()
+  assert [r.path for r in scratch.sweep(tmp_path, report=False)] == [live.path]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['flexjax-offload-mine', 'results']
+
+
+def test_this_processs_own_claim_is_kept_until_released(tmp_path):
+  with scratch.claim(tmp_path, 'mine-') as claim:
+    assert claim.owned
+    (claim.path / 'sub').mkdir()
+    (claim.path / 'sub' / 'a.bin').write_bytes(b'1' * 100)
+    assert scratch.sweep(tmp_path) == []  # a second open of the owner file cannot lock it
+    assert claim.path.is_dir()
+  assert not claim.path.exists()
+
+
+def test_a_disowned_folder_is_never_swept(tmp_path):
+  claim = scratch.claim(tmp_path, 'done-')
+  (claim.path / 'result.bin').write_bytes(b'2')
+  claim.disown()
+  assert not (claim.path / scratch.OWNER).exists()
+  assert scratch.sweep(tmp_path) == []
+  final = tmp_path / 'final'
+  os.rename(claim.path, final)
+  claim.release()  # nothing left where it was
+  assert (final / 'result.bin').read_bytes() == b'2'
+
+
+def _write_layout(parent: Path) -> None:
+  from flexjax import stream
+  entry = stream.Entry(offset=0, shape=(4,), dtype='float32')
+  stream.write_layout(parent / 'layout', {'s0': {'w': entry}}, {'format': 'test'},
+                      read_stage=lambda _: {'w': np.arange(4, dtype=np.float32)},
+                      pack=lambda a: a, progress=False)
+
+
+def _write_checkpoint(parent: Path) -> None:
+  from flexjax.checkpoint import CheckpointWriter
+  from flexjax.config import ModelConfig
+  cfg = ModelConfig(name='t', num_layers=1, hidden_size=8, num_heads=2, ffn_dim=16,
+                    vocab_size=50, max_positions=16)
+  with pytest.raises(RuntimeError, match='missing stages'):  # a claim is made, then let go
+    with CheckpointWriter(parent / 'ckpt', cfg, 'float32'):
+      pass
+
+
+def _offload_folder(parent: Path) -> None:
+  import jax
+  from flexjax.storage import Storage
+  with Storage(jax.devices('cpu')[0], offload_dir=parent) as storage:
+    assert storage.run_dir.parent == parent
+
+
+def _disk_probe(parent: Path) -> None:
+  from flexjax import hardware
+  hardware._disk_rates(np.zeros(1 << 16, np.uint8), str(parent))
+
+
+@pytest.mark.parametrize('use', [_write_layout, _write_checkpoint, _offload_folder, _disk_probe],
+                         ids=['layout', 'checkpoint', 'offload', 'disk-probe'])
+def test_every_writer_of_scratch_folders_removes_what_killed_runs_left(use, tmp_path):
+  killed = Holder(tmp_path, '.layout.partial-')
+  killed.kill()
+  use(tmp_path)
+  assert not killed.path.exists()
+  assert not [p for p in tmp_path.iterdir() if p.name.startswith('.') or 'flexjax-' in p.name]
