@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from flexjax import scratch
 from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
 from flexjax.hf_import import hf_key
@@ -92,8 +92,9 @@ def export_dummy_checkpoint(cfg: ModelConfig, directory: str | os.PathLike, *,
   if (directory / 'model.safetensors.index.json').is_file():
     return directory
   directory.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f'.{directory.name}.', dir=directory.parent))
-  try:
+  # written into a folder owned while it is written: a killed export's is swept by the next
+  with scratch.claim(directory.parent, f'.{directory.name}.') as partial:
+    tmp = partial.path
     source = DummyWeights(cfg, dtype='float32', seed=seed)
     weight_map: dict[str, str] = {}
     shard: dict[str, Any] = {}
@@ -115,10 +116,8 @@ def export_dummy_checkpoint(cfg: ModelConfig, directory: str | os.PathLike, *,
     (tmp / 'model.safetensors.index.json').write_text(json.dumps(
         {'metadata': {}, 'weight_map': weight_map}, indent=1))
     (tmp / 'config.json').write_text(json.dumps(hf_config(cfg, dtype), indent=1))
+    partial.disown()
     tmp.rename(directory)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return directory
 
 
@@ -189,7 +188,8 @@ def run_accelerate(cfg: ModelConfig, *, batch_size: int, prompt_len: int, gen_le
   if dtype not in TORCH_DTYPES:
     raise FlexjaxError(f'dtype={dtype!r} is not one of {TORCH_DTYPES}')
   checkpoint = export_dummy_checkpoint(cfg, checkpoint_dir, dtype=checkpoint_dtype)
-  offload = Path(tempfile.mkdtemp(prefix='accelerate-offload-', dir=offload_dir))
+  owned = scratch.claim(offload_dir or tempfile.gettempdir(), 'accelerate-offload-')
+  offload = owned.path
   try:
     model = AutoModelForCausalLM.from_pretrained(
         checkpoint, device_map='auto', max_memory=dict(max_memory), offload_folder=str(offload),
@@ -221,7 +221,7 @@ def run_accelerate(cfg: ModelConfig, *, batch_size: int, prompt_len: int, gen_le
     end = time.perf_counter()
     rss = host_peak_rss()
   finally:
-    shutil.rmtree(offload, ignore_errors=True)
+    owned.release()
   if out.shape[1] != prompt_len + measured_gen_len or len(clock.times) != measured_gen_len:
     raise FlexjaxError(f'Accelerate generated {out.shape[1] - prompt_len} tokens in '
                        f'{len(clock.times)} steps; expected {measured_gen_len}')

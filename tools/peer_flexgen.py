@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from absl import app, flags
 
 from flexjax import config as config_lib
 from flexjax import flags as flags_lib
+from flexjax import scratch
 from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
 
@@ -290,7 +290,8 @@ def run_flexgen(model: str, policy: Policy, *, prompt_len: int, gen_len: int,
     raise FlexjaxError(f'offload_dir={offload_dir!r} is not a folder; create it or pass another')
   with tempfile.TemporaryDirectory(prefix='flexgen_run_') as work:
     work = Path(work)
-    disk = tempfile.mkdtemp(prefix='flexgen_offload_', dir=offload_dir)
+    owned = scratch.claim(offload_dir, 'flexgen_offload_')  # a killed run's: swept by the next
+    disk = str(owned.path)
     try:
       write_tokenizer_cache(work / 'hf')
       log_file = work / 'flexgen.log'
@@ -303,7 +304,7 @@ def run_flexgen(model: str, policy: Policy, *, prompt_len: int, gen_len: int,
                            f'flexgen=={FLEXGEN_VERSION} is the installed version')
       parsed = parse_log(log_file.read_text())
     finally:
-      shutil.rmtree(disk, ignore_errors=True)
+      owned.release()
   import torch  # after the run, so this process holds no CUDA context while FlexGen measures
   return {
       **parsed, 'system': 'flexgen', 'system_version': importlib.metadata.version('flexgen'),
