@@ -262,8 +262,16 @@ def check_output(path: str, flag: str = 'output') -> Path:
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> None:
-  """Writes a file whole or not at all: a temporary file in the same folder, synced, renamed."""
-  target = Path(path).absolute()
+  """Writes a file whole or not at all: a temporary file in the same folder, synced, renamed.
+  A failed write (a full disk) is a one-line error; the file is left as it was."""
+  try:
+    _replace_file(Path(path).absolute(), text)
+  except OSError as e:
+    raise FlexjaxError(f'cannot write {str(path)!r} ({e.strerror}); it was left as it was: free '
+                       'space there or choose another path') from None
+
+
+def _replace_file(target: Path, text: str) -> None:
   tmp = target.with_name(f'.{target.name}.tmp-{os.getpid()}')
   try:
     with open(tmp, 'w') as f:
@@ -318,23 +326,39 @@ class JobOutput:
   def open(self, policy: Policy) -> None:
     """Starts writing: records the policy (a fresh job), cuts off what an interrupted block
     left after the last recorded one."""
-    if self.policy is None:
-      self.policy = dataclasses.asdict(policy)
-      self._save_marker()
-    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-    os.ftruncate(fd, self._bytes)
-    self._file = os.fdopen(fd, 'ab')
+    try:
+      if self.policy is None:
+        self.policy = dataclasses.asdict(policy)
+        self._save_marker()
+      fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+      os.ftruncate(fd, self._bytes)
+      self._file = os.fdopen(fd, 'ab')
+    except OSError as e:
+      raise self._failed(e) from None
 
   def write_block(self, number: int, records: Iterable[dict]) -> None:
+    """Appends a block's lines and syncs them, then records it in the progress file. A failed
+    write (a full disk) is a one-line error; what it left after the last recorded block is cut
+    off when the job is resumed."""
     data = b''.join(json.dumps(r, ensure_ascii=False).encode() + b'\n' for r in records)
-    count = data.count(b'\n')
-    self._file.write(data)
-    self._file.flush()
-    os.fsync(self._file.fileno())
+    try:
+      self._file.write(data)
+      self._file.flush()
+      os.fsync(self._file.fileno())
+    except OSError as e:
+      raise self._failed(e) from None
     self._bytes += len(data)
-    self.rows += count
+    self.rows += data.count(b'\n')
     self.done.add(number)
-    self._save_marker()
+    try:
+      self._save_marker()
+    except OSError as e:
+      raise self._failed(e) from None
+
+  def _failed(self, error: OSError) -> FlexjaxError:
+    return FlexjaxError(
+        f'writing --output={str(self.path)!r} failed ({error.strerror}); free space there and '
+        'run the same command again: the job resumes after its last complete block')
 
   def finish(self) -> None:
     """The job is complete: the progress file goes."""
@@ -344,13 +368,16 @@ class JobOutput:
 
   def close(self) -> None:
     if self._file is not None:
-      self._file.close()
+      try:
+        self._file.close()
+      except OSError:  # a failed write's buffered tail: cut off when the job is resumed
+        pass
       self._file = None
 
   def _save_marker(self) -> None:
     state = {'format': FORMAT, 'job': self.job, 'policy': self.policy, 'bytes': self._bytes,
              'rows': self.rows, 'done': sorted(self.done)}
-    write_atomically(self.marker, json.dumps(state) + '\n')
+    _replace_file(self.marker, json.dumps(state) + '\n')
     _sync_folder(self.path.parent)
 
 

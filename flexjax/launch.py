@@ -164,7 +164,11 @@ def run_stage_process(fv) -> int:
   if report is not None:
     print(table(report), flush=True)
     if fv.report_json:
-      write_atomically(fv.report_json, json.dumps(report, indent=1) + '\n')
+      try:
+        write_atomically(fv.report_json, json.dumps(report, indent=1) + '\n')
+      except FlexjaxError as e:
+        print(f'flexjax: error: {e}', file=sys.stderr, flush=True)
+        return 2
   return 0
 
 

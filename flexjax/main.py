@@ -29,12 +29,12 @@ def main(argv) -> int:
     if report_json:
       check_output(report_json, 'report_json')
     result = run(rc)
+    print(table(result))
+    if report_json:
+      write_atomically(report_json, json.dumps(result, indent=1) + '\n')
   except FlexjaxError as e:
     print(f'flexjax: error: {e}', file=sys.stderr)
     return 2
-  print(table(result))
-  if report_json:
-    write_atomically(report_json, json.dumps(result, indent=1) + '\n')
   return 0
 
 

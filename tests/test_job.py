@@ -218,6 +218,32 @@ def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   assert not any(offload.iterdir())
 
 
+def test_a_full_output_disk_is_one_line_and_the_job_resumes(pre_ln, tmp_path):
+  """The output's writes fail part-way (a file size limit stands in for a full disk: the same
+  failed write() to the job): one line naming the output, no traceback; the same command then
+  finishes the job with the uninterrupted run's bytes."""
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(10, seed=8))
+  _, reference = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'reference.jsonl')
+  expected = (tmp_path / 'reference.jsonl').read_bytes()
+  assert len(expected) > 1500
+  out = tmp_path / 'out.jsonl'
+  cmd = job_command(pre_ln.ckpt_dir, rows, out)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  limited = [sys.executable, '-c', 'import os, resource, sys; '
+             'resource.setrlimit(resource.RLIMIT_FSIZE, (1500, 1500)); '
+             'os.execv(sys.executable, [sys.executable] + sys.argv[1:])', *cmd[1:]]
+  full = subprocess.run(limited, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert full.returncode == 2, full.stderr[-3000:]
+  assert 'Traceback' not in full.stderr
+  assert (f"flexjax: error: writing --output={str(out)!r} failed (File too large); free space "
+          'there and run the same command again') in full.stderr
+  state = json.loads(out.with_name('out.jsonl.progress').read_text())
+  assert 0 < state['bytes'] <= 1500 and expected.startswith(out.read_bytes()[:state['bytes']])
+  done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert out.read_bytes() == expected
+
+
 def test_derived_seeds_and_buckets():
   assert job_lib.derived_seed(0, 'a') == job_lib.derived_seed(0, 'a')
   assert job_lib.derived_seed(0, 'a') != job_lib.derived_seed(1, 'a')
