@@ -1,5 +1,7 @@
 """Placements drawn at random reproduce the all-device run (tools/fuzz_placement.py)."""
 
+import dataclasses
+import json
 import tempfile
 
 import pytest
@@ -9,6 +11,11 @@ from tools import fuzz_placement
 # draws that between them cover every kind of run (8, 9 and 13 differed while a finished
 # row's logits depended on its block); `python -m tools.fuzz_placement` draws many more
 SEEDS = (0, 2, 5, 6, 8, 9, 13, 14)
+
+
+# batch jobs drawn on those seeds' models and policies: every tier on disk, bucketed and not, bad
+# and sampled rows (`python -m tools.fuzz_placement --mode=job` draws more)
+JOB_SEEDS = (7, 19, 26)
 
 
 @pytest.mark.parametrize('seed', SEEDS)
@@ -50,3 +57,36 @@ def test_the_comparison_tells_other_weights_apart():
   assert fuzz_placement.compare(reference, reference, 'float32')['ok']
   verdict = fuzz_placement.compare(reference, other, 'float32')
   assert not verdict['ok'] and verdict['logit_diff'] > 1e-3 and verdict['score_diff'] > 1e-3
+
+
+@pytest.mark.parametrize('seed', JOB_SEEDS)
+def test_a_drawn_job_reproduces_the_all_device_job(seed):
+  row = fuzz_placement.run_case(fuzz_placement.draw_job_case(seed))
+  assert row['same_outputs'], row
+  assert row['ok'], row
+
+
+def test_the_job_draws_cover_every_kind_of_job():
+  cases = [fuzz_placement.draw_job_case(s) for s in JOB_SEEDS]
+  p = [c.policy for c in cases]
+  rows = [[json.loads(r) for r in c.rows if r.startswith('{') and r.endswith('}')] for c in cases]
+  assert any(x['w_gpu_percent'] + x['w_cpu_percent'] < 100 for x in p)
+  assert any(x['cache_gpu_percent'] + x['cache_cpu_percent'] < 100 for x in p)
+  assert any(x['act_gpu_percent'] + x['act_cpu_percent'] < 100 for x in p)
+  assert any(c.bucket for c in cases) and any(not c.bucket for c in cases)
+  assert any(len(r) < len(c.rows) or any(not x['tokens'] or len(x['tokens']) > 128 for x in r)
+             for c, r in zip(cases, rows))  # a bad row
+  assert any(x.get('temperature') for r in rows for x in r)
+
+
+def test_a_jobs_outputs_tell_other_weights_apart(tmp_path):
+  case = fuzz_placement.draw_job_case(26)
+  outputs = []
+  for seed in (case.seed, case.seed + 1):
+    folder = tmp_path / str(seed)
+    folder.mkdir()
+    fuzz_placement.write_checkpoint(dataclasses.replace(case, seed=seed), folder / 'ckpt')
+    (folder / 'rows.jsonl').write_text(''.join(line + '\n' for line in case.rows))
+    outputs.append(fuzz_placement.run_job(case, case.policy, folder, 'out'))
+  assert [r['id'] for r in outputs[0]] == [r['id'] for r in outputs[1]]
+  assert any(a['output_tokens'] != b['output_tokens'] for a, b in zip(*outputs))

@@ -4,11 +4,17 @@ device and once with the drawn policy, and compares the two.
 
   python -m tools.fuzz_placement --draws=200 --seed=0
   python -m tools.fuzz_placement --draws=50 --seed=7 --output=fuzz.jsonl
+  python -m tools.fuzz_placement --draws=50 --mode=job
 
 Both runs use the same approximations (int4 weights or cache, sparse attention) and compute
 dtype, so every difference comes from where tensors live and in which order the block schedule
 computes them: the tokens must be equal and the logits equal within float32 rounding (four
 bfloat16 ulps where the compute dtype is bfloat16). Exit status 1 when any draw differs.
+
+--mode=job draws a batch job instead (JSONL rows with their own lengths, sampling and seeds,
+some of them bad; bucketed or not) over a checkpoint of the drawn model, runs it through the
+command line's path (flexjax.run with --input/--output) under the drawn policy and with the
+same block shape all on the device, and compares the two outputs line by line.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class Case:
   weight_dtype: str  # the weights' storage dtype
   calls: dict[str, Any]  # Engine.generate's per-row arguments: limits, pad_to, forced_tokens
   io_threads: int
+  rows: tuple[str, ...] = ()  # a batch job's input lines (--mode=job); prompts unused then
+  bucket: bool = True  # the job's blocks padded to length buckets
 
 
 def draw_model(rng: random.Random) -> dict[str, Any]:
@@ -123,6 +131,31 @@ def draw_case(seed: int) -> Case:
               calls, rng.choice([1, 2, 3, 4]))
 
 
+def draw_job_case(seed: int) -> Case:
+  """draw_case(seed)'s model, policy, approximations and dtypes, with a batch job's rows."""
+  case = draw_case(seed)
+  rng = random.Random(f'job-{seed}')
+  vocab = case.model['vocab_size']
+  sampled = rng.random() < 0.4
+  rows = []
+  for i in range(rng.randint(1, 16)):
+    row: dict[str, Any] = {'id': f'r{i}', 'tokens': [2] + [rng.randint(3, vocab - 1)
+                                                          for _ in range(rng.randint(0, 30))]}
+    if rng.random() < 0.7:
+      row['max_new_tokens'] = rng.randint(1, 8)
+    if sampled and rng.random() < 0.5:
+      row.update(temperature=0.8, top_p=rng.choice([1.0, 0.9]))
+    if rng.random() < 0.3:
+      row['seed'] = rng.randint(0, 9)
+    rows.append(json.dumps(row))
+  if rng.random() < 0.3:  # a bad row: written with its error, the job goes on
+    bad = rng.choice(['{"id": "broken"', json.dumps({'id': 'empty', 'tokens': []}),
+                      json.dumps({'id': 'long', 'tokens': [2] * (case.model['max_positions'] + 1)})])
+    rows.insert(rng.randint(0, len(rows)), bad)
+  return dataclasses.replace(case, prompts=(), calls={}, rows=tuple(rows),
+                             bucket=rng.random() < 0.7)
+
+
 def generate(case: Case, policy: dict[str, Any], offload_dir: str, *, weights_cache: str,
              weight_seed: int | None = None):
   """The case's prompts generated under `policy` (with the case's approximations), and the
@@ -164,9 +197,57 @@ def _diff(a: np.ndarray, b: np.ndarray) -> float:
   return float(np.max(np.abs(a - b))) if a.shape == b.shape else float('inf')
 
 
+def run_job(case: Case, policy: dict[str, Any], folder: Path, name: str) -> list[dict]:
+  """The case's job run under `policy` through flexjax.run over the checkpoint in `folder`;
+  its output lines."""
+  from flexjax.engine import GenerationConfig
+  from flexjax.policy import Policy
+  from flexjax.run import RunConfig, run
+  output = folder / f'{name}.jsonl'
+  run(RunConfig(model=None, weights='checkpoint', checkpoint=str(folder / 'ckpt'),
+                input=str(folder / 'rows.jsonl'), output=str(output),
+                policy=Policy(**policy, **case.approx), compute_dtype=case.compute_dtype,
+                generation=GenerationConfig(**case.generation), offload_dir=str(folder / 'off'),
+                io_threads=case.io_threads, bucket=case.bucket, progress=False))
+  return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+def write_checkpoint(case: Case, path: Path) -> None:
+  """The case's dummy weights (its storage dtype and seed) as a checkpoint."""
+  from flexjax.checkpoint import CheckpointWriter
+  from flexjax.config import ModelConfig
+  from flexjax.model import params as params_lib
+  from flexjax.weights import DummyWeights
+  cfg = ModelConfig(**case.model)
+  source = DummyWeights(cfg, dtype=case.weight_dtype, seed=case.seed)
+  with CheckpointWriter(path, cfg, case.weight_dtype) as writer:
+    for stage in params_lib.stage_names(cfg):
+      writer.write_stage(stage, source.read(stage))
+
+
+def run_job_case(case: Case) -> dict[str, Any]:
+  """The job under the drawn policy against the same block shape all on the device: every
+  output line equal; the offload folder left empty."""
+  shape = {k: case.policy[k] for k in ('gpu_batch_size', 'num_gpu_batches')}
+  with tempfile.TemporaryDirectory(prefix='flexjax-fuzz-job-') as tmp:
+    folder = Path(tmp)
+    write_checkpoint(case, folder / 'ckpt')
+    (folder / 'rows.jsonl').write_text(''.join(line + '\n' for line in case.rows))
+    (folder / 'off').mkdir()
+    reference = run_job(case, shape, folder, 'reference')
+    result = run_job(case, case.policy, folder, 'result')
+    left = sorted(p.name for p in (folder / 'off').iterdir())
+  differ = [ref.get('id') for ref, out in zip(reference, result) if ref != out]
+  same = not differ and len(reference) == len(result) == len(case.rows)
+  return {**dataclasses.asdict(case), 'same_outputs': same, 'differing_rows': differ,
+          'left_in_offload_dir': left, 'ok': same and not left}
+
+
 def run_case(case: Case) -> dict[str, Any]:
   """The drawn policy against everything on the device; the offload folder left empty. The
   draw's weight layouts live in a folder of its own, removed with it."""
+  if case.rows:
+    return run_job_case(case)
   with (tempfile.TemporaryDirectory(prefix='flexjax-fuzz-') as tmp,
         tempfile.TemporaryDirectory(prefix='flexjax-fuzz-layouts-') as layouts):
     reference = generate(case, {'gpu_batch_size': len(case.prompts)}, tmp, weights_cache=layouts)
@@ -178,24 +259,36 @@ def run_case(case: Case) -> dict[str, Any]:
   return row
 
 
+def describe(row: dict[str, Any]) -> str:
+  """One line on a draw's verdict."""
+  if row['rows']:
+    return (f'outputs of {len(row["rows"])} rows '
+            + ('equal' if row['same_outputs'] else f'differ in {row["differing_rows"]}'))
+  return (f'tokens {"equal" if row["same_tokens"] else "differ"}, logits within '
+          f'{row["logit_diff"]:.2e} of {row["logit_scale"]:.2e}'
+          + (f', scores within {row["score_diff"]:.2e}' if 'score_diff' in row else ''))
+
+
 def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer('draws', 100, 'Cases to draw.', lower_bound=1, flag_values=fv)
   flags.DEFINE_integer('seed', 0, 'Seed of the first draw; draw i uses seed + i.',
                        lower_bound=0, flag_values=fv)
   flags.DEFINE_string('output', None, 'Append one JSON line per draw here.', flag_values=fv)
+  flags.DEFINE_enum('mode', 'generate', ['generate', 'job'],
+                    'generate: prompts through Engine.generate (and Engine.score); job: a batch '
+                    'job\'s rows through --input/--output.', flag_values=fv)
 
 
 def main(argv) -> None:
   del argv
+  from flexjax import flags as flags_lib
+  flags_lib.quiet_library_logs()
   fv = flags.FLAGS
   bad = 0
   for seed in range(fv.seed, fv.seed + fv.draws):
-    row = run_case(draw_case(seed))
+    row = run_case(draw_job_case(seed) if fv.mode == 'job' else draw_case(seed))
     bad += not row['ok']
-    print(f'seed {seed}: {"ok" if row["ok"] else "DIFFERS"} (tokens '
-          f'{"equal" if row["same_tokens"] else "differ"}, logits within '
-          f'{row["logit_diff"]:.2e} of {row["logit_scale"]:.2e}'
-          + (f', scores within {row["score_diff"]:.2e}' if 'score_diff' in row else '') + ')'
+    print(f'seed {seed}: {"ok" if row["ok"] else "DIFFERS"} ({describe(row)})'
           + ('' if row['ok'] else f'\n  {json.dumps(row)}'), flush=True)
     if fv.output:
       with open(fv.output, 'a') as f:
