@@ -70,18 +70,17 @@ class Claim:
   def release(self) -> None:
     """Removes the folder (if it is still here), the owner file last, then drops the lock: a
     process killed while removing leaves a folder the next sweep removes."""
-    if self.path.is_dir():
+    try:
       for entry in self.path.iterdir():
         if entry.name != OWNER:
           _remove(entry)
-      try:
-        os.unlink(self.path / OWNER)
-      except FileNotFoundError:
-        pass
-      try:
+      left = {p.name for p in self.path.iterdir()}
+      if left <= {OWNER}:  # else a later sweep tries again
+        if left:
+          os.unlink(self.path / OWNER)
         os.rmdir(self.path)
-      except OSError:
-        pass
+    except OSError:
+      pass
     if self._fd is not None:
       os.close(self._fd)
       self._fd = None
@@ -147,7 +146,8 @@ def sweep(parent: str | os.PathLike, *, report: bool = True) -> list[Removed]:
       path = Path(entry.path)
       nbytes = disk_bytes(path)
       Claim(path, None).release()
-      removed.append(Removed(path, nbytes))
+      if not path.exists():  # (another user's folder in a shared parent stays)
+        removed.append(Removed(path, nbytes))
     finally:
       os.close(fd)
   if removed and report:
@@ -177,5 +177,5 @@ def _remove(path: Path) -> None:
   else:
     try:
       os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
       pass

@@ -82,6 +82,11 @@ def test_a_disowned_folder_is_never_swept(tmp_path):
   os.rename(claim.path, final)
   claim.release()  # nothing left where it was
   assert (final / 'result.bin').read_bytes() == b'2'
+  unused = scratch.claim(tmp_path, 'lost-')  # disowned, then not renamed (another won): removed
+  (unused.path / 'result.bin').write_bytes(b'3')
+  unused.disown()
+  unused.release()
+  assert not unused.path.exists()
 
 
 def _write_layout(parent: Path) -> None:

@@ -200,6 +200,7 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
     raise FlexjaxError(f'file_bytes={file_bytes} and threads={threads} must be positive')
   if not os.path.isdir(folder):
     raise FlexjaxError(f'disk probe folder {folder!r} does not exist; create it or pass another')
+  scratch.sweep(folder)  # what killed probes left, before the free space is measured
   free = shutil.disk_usage(folder).free
   if free < file_bytes + 256 * 2**20:
     raise FlexjaxError(f'{folder!r} has {free / 2**30:.2f} GiB free; the disk probe writes '
