@@ -80,6 +80,7 @@ def test_fixed_percents_are_held_and_ties_go_to_the_faster_tier():
            fixed_percents=('gpu_batch_size',))
 
 
+@pytest.mark.slow  # four full searches of opt-6.7b (~2 min); python -m pytest -m slow runs it
 def test_more_memory_never_predicts_lower_throughput():
   cfg = preset('opt-6.7b')
   previous = 0.0
@@ -91,7 +92,7 @@ def test_more_memory_never_predicts_lower_throughput():
     previous = found.prediction.throughput
 
 
-@pytest.mark.parametrize('name', ['opt-30b', 'opt-175b'])
+@pytest.mark.parametrize('name', [pytest.param('opt-30b', marks=pytest.mark.slow), 'opt-175b'])
 def test_paper_setting_gives_feasible_policies(name):
   found = search(preset(name), t4_profile(), T4_BUDGETS, prompt_len=512, gen_len=32, sizes=FP16)
   assert found.prediction.throughput > 0
@@ -107,11 +108,12 @@ def test_no_feasible_policy_names_the_short_tier():
 
 
 def test_latency_limit_is_honoured():
+  shapes = dict(gpu_batch_sizes=(1, 2, 4, 8, 16, 32), num_gpu_batches=(1, 2, 4))
   free = search(TINY, toy_hardware(), {'device': GIB, 'host': GIB, 'disk': GIB}, prompt_len=16,
-                gen_len=8, sizes=FP32)
+                gen_len=8, sizes=FP32, **shapes)
   limit = (free.prediction.prefill_s + free.prediction.decode_s) / 4
   bounded = search(TINY, toy_hardware(), {'device': GIB, 'host': GIB, 'disk': GIB},
-                   prompt_len=16, gen_len=8, sizes=FP32, max_block_seconds=limit)
+                   prompt_len=16, gen_len=8, sizes=FP32, max_block_seconds=limit, **shapes)
   assert bounded.prediction.prefill_s + bounded.prediction.decode_s <= limit
 
 
