@@ -62,6 +62,7 @@ def test_lp_prefers_the_faster_tier_for_weights():
   assert x['wg'] + x['cg'] + x['hg'] < 3 - 1e-6  # something left the device
 
 
+@pytest.mark.slow  # two full opt-1.3b searches (~1 min); tests/test_suite.py holds fixed fields too
 def test_fixed_percents_are_held_and_ties_go_to_the_faster_tier():
   """Compute-bound (prompt 128 on a 2-core CPU profile): where the weights live is hidden behind
   compute, so only the tie-break keeps them on the host rather than on disk."""
