@@ -345,12 +345,9 @@ class JobOutput:
       self._file.write(data)
       self._file.flush()
       os.fsync(self._file.fileno())
-    except OSError as e:
-      raise self._failed(e) from None
-    self._bytes += len(data)
-    self.rows += data.count(b'\n')
-    self.done.add(number)
-    try:
+      self._bytes += len(data)
+      self.rows += data.count(b'\n')
+      self.done.add(number)
       self._save_marker()
     except OSError as e:
       raise self._failed(e) from None
