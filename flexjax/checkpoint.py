@@ -101,6 +101,15 @@ class CheckpointWriter:
       os.rename(self._tmp, self.path)
 
 
+def write_source(source: Any, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+  """Writes every stage of a weight source (its `config`, `dtype` and `read(stage)`: dummy
+  weights, say) as a checkpoint at `path`; returns the path."""
+  with CheckpointWriter(path, source.config, source.dtype, overwrite=overwrite) as writer:
+    for stage in params_lib.stage_names(source.config):
+      writer.write_stage(stage, source.read(stage))
+  return writer.path
+
+
 class Checkpoint:
   """A complete checkpoint on disk; reads one stage at a time as host numpy arrays."""
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flexjax import diskio, stream
-from flexjax.checkpoint import Checkpoint, CheckpointWriter
+from flexjax.checkpoint import Checkpoint, write_source
 from flexjax.config import ModelConfig
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
@@ -163,13 +163,6 @@ def test_a_stale_layout_that_cannot_be_removed_is_a_one_line_error(tmp_path, mon
   assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no aside left
 
 
-def _write_checkpoint(path: Path, seed: int) -> None:
-  source = DummyWeights(TINY, 'float32', seed=seed)
-  with CheckpointWriter(path, TINY, 'float32', overwrite=True) as writer:
-    for stage in params_lib.stage_names(TINY):
-      writer.write_stage(stage, source.read(stage))
-
-
 def test_a_read_only_checkpoint_written_again_replaces_its_cached_layout(tmp_path, monkeypatch):
   """Layouts of a checkpoint the run cannot write into go to the cache folder, one folder per
   checkpoint path: rewriting the checkpoint replaces that layout rather than adding one."""
@@ -179,7 +172,7 @@ def test_a_read_only_checkpoint_written_again_replaces_its_cached_layout(tmp_pat
   path = tmp_path / 'ckpt'
   values = []
   for seed in (0, 1):
-    _write_checkpoint(path, seed)
+    write_source(DummyWeights(TINY, 'float32', seed=seed), path, overwrite=True)
     layout = stream.ensure_layout(Checkpoint(path), **kw)
     assert layout.folder.parent.parent == tmp_path / 'cache' / 'checkpoints'
     values.append(layout.tensor('tokens', ('tokens',)).read())

@@ -214,15 +214,11 @@ def run_job(case: Case, policy: dict[str, Any], folder: Path, name: str) -> list
 
 def write_checkpoint(case: Case, path: Path) -> None:
   """The case's dummy weights (its storage dtype and seed) as a checkpoint."""
-  from flexjax.checkpoint import CheckpointWriter
+  from flexjax.checkpoint import write_source
   from flexjax.config import ModelConfig
-  from flexjax.model import params as params_lib
   from flexjax.weights import DummyWeights
-  cfg = ModelConfig(**case.model)
-  source = DummyWeights(cfg, dtype=case.weight_dtype, seed=case.seed)
-  with CheckpointWriter(path, cfg, case.weight_dtype) as writer:
-    for stage in params_lib.stage_names(cfg):
-      writer.write_stage(stage, source.read(stage))
+  write_source(DummyWeights(ModelConfig(**case.model), dtype=case.weight_dtype, seed=case.seed),
+               path)
 
 
 def run_job_case(case: Case) -> dict[str, Any]:
