@@ -82,14 +82,19 @@ def test_fixed_percents_are_held_and_ties_go_to_the_faster_tier():
 
 
 @pytest.mark.slow  # four full searches of opt-6.7b (~2 min); python -m pytest -m slow runs it
-def test_more_memory_never_predicts_lower_throughput():
+def test_more_memory_never_predicts_lower_throughput_beyond_the_tie():
+  """Every placement that fits a smaller device fits a larger one, so the best prediction never
+  falls; the policy taken may be up to TIE below it (within TIE, fewer and larger GPU batches
+  win: over block shapes {8, 32, 64} x {1, 4, 8}, 64 x 1 at 14.146 tok/s is taken at 32 GiB
+  where 8 x 1 at 14.191 is taken at 16 GiB and found again at 32)."""
+  from flexjax.search import TIE
   cfg = preset('opt-6.7b')
   previous = 0.0
   for device_gib in (4, 8, 16, 32):
     found = search(cfg, t4_profile(), {'device': device_gib * GIB, 'host': 64 * GIB,
                                        'disk': 500 * GIB},
                    prompt_len=512, gen_len=32, sizes=FP16)
-    assert found.prediction.throughput >= previous * 0.999
+    assert found.prediction.throughput >= (1 - TIE) * previous, device_gib
     previous = found.prediction.throughput
 
 
