@@ -17,6 +17,10 @@ SEEDS = (0, 2, 5, 6, 8, 9, 13, 14)
 # and sampled rows (`python -m tools.fuzz_placement --mode=job` draws more)
 JOB_SEEDS = (7, 19, 26)
 
+# a pipeline of three processes, every tier partly on disk, no overlap, CPU attention, FlexGen's
+# placement, sampled (`python -m tools.fuzz_placement --mode=pipeline` draws more)
+PIPELINE_SEED = 103
+
 
 def tiers_on_disk(policies) -> set[str]:
   """The kinds of tensor ('w', 'cache', 'act') some of the policies put partly on disk."""
@@ -92,3 +96,13 @@ def test_a_jobs_outputs_tell_other_weights_apart(tmp_path):
     outputs.append(fuzz_placement.run_job(case, case.policy, folder, 'out'))
   assert [r['id'] for r in outputs[0]] == [r['id'] for r in outputs[1]]
   assert any(a['output_tokens'] != b['output_tokens'] for a, b in zip(*outputs))
+
+
+def test_a_drawn_pipeline_reproduces_one_process():
+  case = fuzz_placement.draw_pipeline_case(PIPELINE_SEED)
+  assert case.stages == 3 and tiers_on_disk([case.policy]) == {'w', 'cache', 'act'}
+  assert not case.policy['overlap'] and case.generation['temperature'] > 0
+  row = fuzz_placement.run_case(case)
+  assert row['same_tokens'], row['stderr']
+  assert len(row['tokens']) == len(case.prompts) and any(row['tokens']), row
+  assert row['within_plans'] and row['ok'], row

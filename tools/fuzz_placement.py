@@ -5,6 +5,7 @@ device and once with the drawn policy, and compares the two.
   python -m tools.fuzz_placement --draws=200 --seed=0
   python -m tools.fuzz_placement --draws=50 --seed=7 --output=fuzz.jsonl
   python -m tools.fuzz_placement --draws=50 --mode=job
+  python -m tools.fuzz_placement --draws=20 --mode=pipeline
 
 Both runs use the same approximations (int4 weights or cache, sparse attention) and compute
 dtype, so every difference comes from where tensors live and in which order the block schedule
@@ -15,6 +16,10 @@ bfloat16 ulps where the compute dtype is bfloat16). Exit status 1 when any draw 
 some of them bad; bucketed or not) over a checkpoint of the drawn model, runs it through the
 command line's path (flexjax.run with --input/--output) under the drawn policy and with the
 same block shape all on the device, and compares the two outputs line by line.
+
+--mode=pipeline splits the drawn model's layers over 2-3 processes (flexjax.launch, every stage
+under the drawn policy) and compares their generated tokens with one process's, everything on
+the device.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Case:
   io_threads: int
   rows: tuple[str, ...] = ()  # a batch job's input lines (--mode=job); prompts unused then
   bucket: bool = True  # the job's blocks padded to length buckets
+  stages: int = 0  # pipeline stages (--mode=pipeline), one process each; 0: one process
 
 
 def draw_model(rng: random.Random) -> dict[str, Any]:
@@ -156,6 +162,16 @@ def draw_job_case(seed: int) -> Case:
                              bucket=rng.random() < 0.7)
 
 
+def draw_pipeline_case(seed: int) -> Case:
+  """draw_case(seed) with 2-3 pipeline stages, at least one decoder layer each (the command
+  line's prompts: no per-row limits, padding or forced tokens)."""
+  case = draw_case(seed)
+  rng = random.Random(f'pipeline-{seed}')
+  stages = rng.choice([2, 2, 3])
+  model = dict(case.model, num_layers=rng.randint(stages, 4))
+  return dataclasses.replace(case, model=model, calls={}, stages=stages)
+
+
 def generate(case: Case, policy: dict[str, Any], offload_dir: str, *, weights_cache: str,
              weight_seed: int | None = None):
   """The case's prompts generated under `policy` (with the case's approximations), and the
@@ -239,11 +255,67 @@ def run_job_case(case: Case) -> dict[str, Any]:
           'left_in_offload_dir': left, 'ok': same and not left}
 
 
+def command_line(case: Case, policy: dict[str, Any]) -> list[str]:
+  """flexjax.main's flags for the case's generation, approximations, dtype and `policy`."""
+  args = []
+  for name, value in {**case.generation, **case.approx, **policy}.items():
+    if isinstance(value, bool):
+      args.append(f'--{"" if value else "no"}{name}')
+    else:
+      args.append(f'--{name}={value}')
+  return args + [f'--compute_dtype={case.compute_dtype}', f'--io_threads={case.io_threads}']
+
+
+def run_pipeline_case(case: Case) -> dict[str, Any]:
+  """The prompts through case.stages processes under the drawn policy against one process with
+  everything on the device: equal generated tokens; each stage's peak RSS (the kernel's) within
+  its plan; every stage's offload folder left empty."""
+  import subprocess
+  from flexjax.engine import GenerationConfig
+  from flexjax.policy import Policy
+  from flexjax.run import RunConfig, run
+  with tempfile.TemporaryDirectory(prefix='flexjax-fuzz-pipeline-') as tmp:
+    folder = Path(tmp)
+    write_checkpoint(case, folder / 'ckpt')
+    prompts = folder / 'prompts.jsonl'
+    prompts.write_text(''.join(json.dumps({'tokens': list(p)}) + '\n' for p in case.prompts))
+    (folder / 'off').mkdir()
+    common = dict(model=None, weights='checkpoint', checkpoint=str(folder / 'ckpt'),
+                  prompt_file=str(prompts), progress=False)
+    run(RunConfig(**common, output=str(folder / 'reference.jsonl'),
+                  policy=Policy(gpu_batch_size=len(case.prompts), **case.approx),
+                  compute_dtype=case.compute_dtype, generation=GenerationConfig(**case.generation),
+                  io_threads=case.io_threads))
+    cmd = [sys.executable, '-m', 'flexjax.launch', f'--num_processes={case.stages}',
+           '--weights=checkpoint', f'--checkpoint={folder / "ckpt"}', f'--prompt_file={prompts}',
+           f'--output={folder / "result.jsonl"}', f'--offload_dir={folder / "off"}',
+           f'--report_json={folder / "report.json"}', '--noprogress',
+           *command_line(case, case.policy)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    tokens = [[json.loads(line)['output_tokens'] for line in
+               (folder / name).read_text().splitlines()] if (folder / name).exists() else None
+              for name in ('reference.jsonl', 'result.jsonl')]
+    left = sorted(str(p.relative_to(folder / 'off')) for p in (folder / 'off').rglob('*'))
+    report = (json.loads((folder / 'report.json').read_text())
+              if (folder / 'report.json').exists() else {})
+  same = proc.returncode == 0 and tokens[0] == tokens[1]
+  peaks = [[report[f'stage{q}'].get(f'{kind}_ram_peak_bytes') for kind in ('planned', 'measured')]
+           for q in range(case.stages) if f'stage{q}' in report]
+  within = len(peaks) == case.stages and all(None not in p and p[1] <= p[0] for p in peaks)
+  return {**dataclasses.asdict(case), 'same_tokens': same, 'returncode': proc.returncode,
+          'stderr': proc.stderr[-2000:] if proc.returncode else '', 'tokens': tokens[1],
+          'stage_ram_peaks': peaks, 'within_plans': within, 'left_in_offload_dir': left,
+          'ok': same and within and not left}
+
+
 def run_case(case: Case) -> dict[str, Any]:
   """The drawn policy against everything on the device; the offload folder left empty. The
   draw's weight layouts live in a folder of its own, removed with it."""
   if case.rows:
     return run_job_case(case)
+  if case.stages:
+    return run_pipeline_case(case)
   with (tempfile.TemporaryDirectory(prefix='flexjax-fuzz-') as tmp,
         tempfile.TemporaryDirectory(prefix='flexjax-fuzz-layouts-') as layouts):
     reference = generate(case, {'gpu_batch_size': len(case.prompts)}, tmp, weights_cache=layouts)
@@ -257,6 +329,13 @@ def run_case(case: Case) -> dict[str, Any]:
 
 def describe(row: dict[str, Any]) -> str:
   """One line on a draw's verdict."""
+  if row['stages']:
+    if row['returncode']:
+      return f'{row["stages"]} stages failed (exit {row["returncode"]})'
+    ratios = ', '.join(f'{planned / measured:.2f}' if planned and measured else '?'
+                       for planned, measured in row['stage_ram_peaks'])
+    return (f'{row["stages"]} stages, tokens {"equal" if row["same_tokens"] else "differ"}, '
+            f'planned / measured RSS per stage {ratios}')
   if row['rows']:
     return (f'outputs of {len(row["rows"])} rows '
             + ('equal' if row['same_outputs'] else f'differ in {row["differing_rows"]}'))
@@ -270,9 +349,10 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer('seed', 0, 'Seed of the first draw; draw i uses seed + i.',
                        lower_bound=0, flag_values=fv)
   flags.DEFINE_string('output', None, 'Append one JSON line per draw here.', flag_values=fv)
-  flags.DEFINE_enum('mode', 'generate', ['generate', 'job'],
+  flags.DEFINE_enum('mode', 'generate', ['generate', 'job', 'pipeline'],
                     'generate: prompts through Engine.generate (and Engine.score); job: a batch '
-                    'job\'s rows through --input/--output.', flag_values=fv)
+                    'job\'s rows through --input/--output; pipeline: prompts through 2-3 '
+                    'processes (flexjax.launch).', flag_values=fv)
 
 
 def main(argv) -> None:
@@ -282,7 +362,8 @@ def main(argv) -> None:
   fv = flags.FLAGS
   bad = 0
   for seed in range(fv.seed, fv.seed + fv.draws):
-    row = run_case(draw_job_case(seed) if fv.mode == 'job' else draw_case(seed))
+    draw = dict(generate=draw_case, job=draw_job_case, pipeline=draw_pipeline_case)[fv.mode]
+    row = run_case(draw(seed))
     bad += not row['ok']
     print(f'seed {seed}: {"ok" if row["ok"] else "DIFFERS"} ({describe(row)})'
           + ('' if row['ok'] else f'\n  {json.dumps(row)}'), flush=True)
