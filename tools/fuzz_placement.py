@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -270,7 +273,6 @@ def run_pipeline_case(case: Case) -> dict[str, Any]:
   """The prompts through case.stages processes under the drawn policy against one process with
   everything on the device: equal generated tokens; each stage's peak RSS (the kernel's) within
   its plan; every stage's offload folder left empty."""
-  import subprocess
   from flexjax.engine import GenerationConfig
   from flexjax.policy import Policy
   from flexjax.run import RunConfig, run
@@ -291,8 +293,7 @@ def run_pipeline_case(case: Case) -> dict[str, Any]:
            f'--output={folder / "result.jsonl"}', f'--offload_dir={folder / "off"}',
            f'--report_json={folder / "report.json"}', '--noprogress',
            *command_line(case, case.policy)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = _run_group(cmd, timeout=600)
     tokens = [[json.loads(line)['output_tokens'] for line in
                (folder / name).read_text().splitlines()] if (folder / name).exists() else None
               for name in ('reference.jsonl', 'result.jsonl')]
@@ -307,6 +308,21 @@ def run_pipeline_case(case: Case) -> dict[str, Any]:
           'stderr': proc.stderr[-2000:] if proc.returncode else '', 'tokens': tokens[1],
           'stage_ram_peaks': peaks, 'within_plans': within, 'left_in_offload_dir': left,
           'ok': same and within and not left}
+
+
+def _run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+  """`cmd` in a process group of its own (the launcher and its stages); a group still running
+  after `timeout` seconds is killed whole and its draw fails, the fuzz goes on."""
+  with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        start_new_session=True, cwd=Path(__file__).resolve().parents[1]) as proc:
+    try:
+      out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      os.killpg(proc.pid, signal.SIGKILL)
+      out, err = proc.communicate()
+      return subprocess.CompletedProcess(cmd, -signal.SIGKILL, out,
+                                         f'{err}\nno result after {timeout} s')
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_case(case: Case) -> dict[str, Any]:
