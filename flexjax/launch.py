@@ -130,12 +130,18 @@ def supervise(process_id: int, n: int, args: list[str]) -> int:
 
 
 def _check_stages(n: int) -> None:
-  """The flags and the split of the model over n stages, before any stage starts."""
+  """The flags, the paths, the prompts and the split of the model over n stages, before any
+  stage starts."""
   from flexjax import pipeline
   from flexjax import run as run_lib
+  from flexjax.job import check_output
   rc = flags_lib.run_config_from_flags()
   run_lib.check_paths(rc)
-  source, _ = run_lib.load_weights(rc)
+  if flags.FLAGS.report_json:
+    check_output(flags.FLAGS.report_json, 'report_json')
+  source, tokenizer = run_lib.load_weights(rc)
+  if rc.prompt_file:
+    run_lib.load_prompts(rc.prompt_file, source.config, tokenizer, chat=rc.chat)
   pipeline.split_layers(source.config, n)
 
 

@@ -190,6 +190,19 @@ def test_too_many_stages_is_one_line(four_layers, tmp_path):
       proc.stderr), proc.stderr
 
 
+@pytest.mark.parametrize('flag, says', [
+    ('--prompt_file={tmp}/none.jsonl', 'does not exist; give an existing JSONL file'),
+    ('--report_json={tmp}/missing/report.json', 'does not exist; create it first')])
+def test_bad_paths_are_one_line_before_any_stage_starts(four_layers, tmp_path, flag, says):
+  cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--weights=checkpoint',
+         f'--checkpoint={four_layers}', '--gen_len=2', '--noprogress',
+         flag.format(tmp=tmp_path)]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.count('\n') == 1 and says in proc.stderr, proc.stderr
+  assert 'pipeline stage' not in proc.stderr  # refused by the launcher, no stage started
+
+
 def test_split_layers_balances_embedding_and_head():
   cfg = config_lib.preset('opt-30b')  # 48 layers; embedding ~ 0.14 of a layer
   assert [len(r) for r in split_layers(cfg, 4)] == [12, 12, 12, 12]
