@@ -11,6 +11,7 @@ import time
 import jax
 import numpy as np
 
+from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.mover import Mover
 from flexjax.policy import Policy
@@ -120,6 +121,9 @@ class Executor:
     """Runs a block's steps. Returns (prefill seconds, decode seconds)."""
     mover, clock, overlap = self.mover, self.mover.clock, self.policy.overlap
     steps = list(block_schedule(max_steps, self.num_stages, len(batches)))
+    in_flight_limit = {phase: plan_lib.steps_in_flight(phase, overlap,
+                                                       self.device.platform == 'cpu')
+                       for phase in ('prefill', 'decode')}
     weights: dict[int, concurrent.futures.Future] = {}
     inputs: dict[Step, concurrent.futures.Future] = {}
     current = None  # the stage's mover.Loaded weights
@@ -150,7 +154,7 @@ class Executor:
         future = inputs.pop(step, None) or mover.workers['load'].submit(
             mover.load_inputs, step, batch)
         loaded = future.result()
-        while len(in_flight) >= (2 if overlap else 1):
+        while len(in_flight) >= in_flight_limit[clock.phase]:
           jax.block_until_ready(in_flight.popleft())
         with clock.part('compute'):
           output, released = self._compute(step, batch, current.params, loaded, gen)

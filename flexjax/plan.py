@@ -383,6 +383,17 @@ def stages_loaded(overlap: bool) -> int:
   return 2 if overlap else 1
 
 
+def steps_in_flight(phase: str, overlap: bool, device_is_host: bool) -> int:
+  """Steps the executor dispatches before the oldest has finished: two with overlap, so the
+  device never waits for the next dispatch, except a CPU backend's prompt steps, one at a
+  time: each runs for a tenth of a second or more there (its dispatch gap is a few
+  milliseconds) and XLA:CPU's library fusions make it large (an opt-6.7b layer of 64 x 64
+  rows: 1.9 GB), so a second one in flight would cost a batch twice its size in memory."""
+  if not overlap or (phase == 'prefill' and device_is_host):
+    return 1
+  return 2
+
+
 def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, Any],
             overhead: Overhead) -> list[Buffer]:
   """Every buffer of a run. xla: step kind -> bytes of one call (steps.Steps.working_memory)."""
@@ -391,7 +402,7 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   s, t, h = shape.prompt_len, shape.total_len, cfg.hidden_size
   overlap = policy.overlap
   stages_alive = stages_loaded(overlap)
-  steps_alive = 2 if overlap else 1  # steps dispatched and not yet finished (executor bound)
+  steps_alive = steps_in_flight('decode', overlap, shape.device_is_host)  # executor's bound
   inputs_alive = steps_alive + (1 if overlap else 0)  # loaded inputs: those steps + one loading
   row = cache_row_bytes(cfg, policy, sizes)
   kv_seq = 2 * t * row  # K and V of one sequence, one layer
@@ -442,7 +453,8 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
              inputs_alive, RUN, 'offloaded hidden rows on the device, joined to the rest'),
       Buffer('cache.staging', 'host', staged * off_cache, inputs_alive, ('decode',),
              'offloaded KV rows read for attention'),
-      Buffer('xla.prefill', 'device', xla['prefill_step'], steps_alive, ('prefill',),
+      Buffer('xla.prefill', 'device', xla['prefill_step'],
+             steps_in_flight('prefill', overlap, shape.device_is_host), ('prefill',),
              'XLA temporaries and outputs of the steps in flight'),
       Buffer('xla.decode', 'device', xla['decode_step'], steps_alive, ('decode',),
              'XLA temporaries and outputs of the steps in flight'),
