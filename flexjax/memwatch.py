@@ -80,10 +80,7 @@ def return_free_memory() -> None:
   """Hands memory the process has freed back to the system (glibc keeps freed blocks in its
   arenas, so RSS would stay at the high-water mark of everything done so far)."""
   import ctypes
-  import ctypes.util
-  name = ctypes.util.find_library('c')
-  if name:
-    try:
-      ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-      pass
+  try:  # the C library is linked into the interpreter: its symbols, without a library search
+    ctypes.CDLL(None).malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc
+    pass

@@ -388,7 +388,9 @@ def steps_in_flight(phase: str, overlap: bool, device_is_host: bool) -> int:
   device never waits for the next dispatch, except a CPU backend's prompt steps, one at a
   time: each runs for a tenth of a second or more there (its dispatch gap is a few
   milliseconds) and XLA:CPU's library fusions make it large (an opt-6.7b layer of 64 x 64
-  rows: 1.9 GB), so a second one in flight would cost a batch twice its size in memory."""
+  rows: 1.9 GB), so a second one in flight would cost a batch twice its size in memory. What
+  the finished step freed is handed back to the system before the next one starts
+  (executor.Executor), or the heap would hold it beside the next step's."""
   if not overlap or (phase == 'prefill' and device_is_host):
     return 1
   return 2
@@ -588,9 +590,13 @@ def memory_forms(shape: Shape, xla: dict[str, Any], overhead: Overhead) -> dict[
   result)."""
   cfg, policy, sizes = shape.cfg, shape.policy, shape.sizes
   full = dataclasses.replace(policy, w_gpu_percent=0, w_cpu_percent=100)
-  totals = weight_totals(cfg, full, sizes)
-  resident_all = weight_totals(cfg, dataclasses.replace(policy, w_gpu_percent=100,
-                                                        w_cpu_percent=0), sizes).placed['device']
+  all_resident = weight_totals(cfg, dataclasses.replace(policy, w_gpu_percent=100,
+                                                        w_cpu_percent=0), sizes)
+  resident_all = all_resident.placed['device']
+  # a resident tensor's transfer while placing: counted whole whatever the device's share (at
+  # most the largest tensor; the exact plan counts it where a tensor is resident)
+  totals = dataclasses.replace(weight_totals(cfg, full, sizes),
+                               resident_transfer_max=all_resident.resident_transfer_max)
   stored_all = totals.placed['host']
   b = policy.gpu_batch_size
   rows = lambda letter: {'device': term(**{f'{letter}g': b}), 'host': term(**{f'{letter}c': b}),
