@@ -131,8 +131,7 @@ class Executor:
     # the next step's would be allocated beside it: opt350m_disk_block measured 2.40 GiB
     # against a 2.38 GiB plan, 2.14-2.16 GiB with the heap trimmed after each prompt step (at
     # no cost in its prefill time).
-    trim_after = {phase: (phase == 'prefill' and self.device.platform == 'cpu')
-                  for phase in ('prefill', 'decode')}
+    trim_prompt_steps = self.device.platform == 'cpu'
     weights: dict[int, concurrent.futures.Future] = {}
     inputs: dict[Step, concurrent.futures.Future] = {}
     current = None  # the stage's mover.Loaded weights
@@ -165,7 +164,7 @@ class Executor:
         loaded = future.result()
         while len(in_flight) >= in_flight_limit[clock.phase]:
           jax.block_until_ready(in_flight.popleft())
-          if trim_after[clock.phase]:
+          if trim_prompt_steps and clock.phase == 'prefill':
             memwatch.return_free_memory()
         with clock.part('compute'):
           output, released = self._compute(step, batch, current.params, loaded, gen)
