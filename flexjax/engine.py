@@ -68,6 +68,8 @@ class GenerationResult:
   weight_loads: dict[str, int]  # per stage: times its weights were brought to the device
   bytes_moved: dict[str, int]  # from host/disk tiers: weights, weights_disk, k_cache, v_cache
   disk_weight_bytes: dict[str, int]  # weight bytes read from disk per phase (prefill, decode)
+  # host buffers disk weights were read into, as allocated (the most a block's run held)
+  staging_bytes: int = 0
   # [num_prompts, gen_len, vocab] float32 when asked for; zeros after a row's EOS or limit
   logits: np.ndarray | None = None
   # Without overlap: seconds per phase ('prefill', 'decode') and part of the work (BREAKDOWN_PARTS
@@ -315,6 +317,7 @@ class Engine:
         planned_peak_bytes=plan.peaks(), weight_loads=dict(self.stats['weight_loads']),
         bytes_moved=dict(self.stats['bytes_moved']),
         disk_weight_bytes=dict(self.stats['disk_weights_by_phase']),
+        staging_bytes=self.stats['staging_bytes'],
         logits=np.concatenate(logits)[:n] if return_logits else None,
         breakdown=_breakdown(clock, prefill_s, decode_s), plan=plan)
 
@@ -419,7 +422,8 @@ def _capacities(plan: plan_lib.ExecutionPlan) -> dict[str, int]:
 def _new_stats(cfg: ModelConfig) -> dict:
   return {'weight_loads': {name: 0 for name in plan_lib.stage_names(cfg)},
           'bytes_moved': {'weights': 0, 'weights_disk': 0, 'k_cache': 0, 'v_cache': 0},
-          'disk_weights_by_phase': {'prefill': 0, 'decode': 0}}
+          'disk_weights_by_phase': {'prefill': 0, 'decode': 0},
+          'staging_bytes': 0}
 
 
 def _breakdown(clock: Clock, prefill_s: float, decode_s: float):

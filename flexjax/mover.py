@@ -116,6 +116,11 @@ class BufferPool:
       self._held += nbytes
     return diskio.aligned_buffer(nbytes)
 
+  @property
+  def held(self) -> int:
+    """Bytes of the buffers allocated and kept (in use or free)."""
+    return self._held
+
   def give_back(self, buffer: np.ndarray, after=()) -> None:
     with self._lock:
       self._waiting.append((buffer, [a for a in jax.tree.leaves(after)
@@ -193,6 +198,16 @@ class Mover:
     self.loads = [{slot for slot, _ in stage if slot.tier != 'device'
                    and not plan_lib.gathers_rows(stage_names[i], slot, prompt_ids)}
                   for i, stage in enumerate(stages)]
+    # On a CPU backend a stage's unpacked disk tensors become device arrays over its staging
+    # buffer (no copy), which then stays with the loaded weights until the steps that used them
+    # have run. A stage with packed disk tensors (dequantized into arrays of their own) copies
+    # its few unpacked ones instead, and its buffer goes back once the stage is loaded, as on
+    # an accelerator: the plan counts the staging buffers of the stage loading and the one read
+    # ahead, and those of the two stages computing would be beside them (job_mixed_lengths: four
+    # buffers of 21.6 MiB against the plan's two).
+    self.keeps_staging = [device_is_host and not any(slot.packed for slot in loads
+                                                     if slot.tier == 'disk')
+                          for loads in self.loads]
     self.staging_bytes = max((sum(t.padded for _, t in self._disk_reads(i))
                               for i in range(len(stages))), default=0)
     self.staging = BufferPool()
@@ -224,6 +239,7 @@ class Mover:
         self._finish_read(read)
       self._reads = {}
     self._pending_stores.clear()
+    self.stats['staging_bytes'] = max(self.stats['staging_bytes'], self.staging.held)
 
   # ---- weights ----------------------------------------------------------------------------------
   def read_ahead(self, index: int) -> None:
@@ -282,7 +298,8 @@ class Mover:
       for slot, value in self.stages[index]:
         if slot in self.loads[index]:
           loaded += self._reserve_loaded(slot.loaded + slot.join)
-          value = self._load_tensor(slot, value, read)
+          value = self._load_tensor(slot, value, read,
+                                    copy=self.device_is_host and not self.keeps_staging[index])
         parts.setdefault(slot.path, []).append((slot, value))
       stage = self.stage_names[index]
       tree = self._join_all(stage, parts, buffers)
@@ -291,9 +308,9 @@ class Mover:
       self.storage.free('device', loaded, 'weights.loaded')
       raise
     finally:
-      self._finish_read(read, keep=done and self.device_is_host)
+      self._finish_read(read, keep=done and self.keeps_staging[index])
     self.stats['weight_loads'][self.stage_names[index]] += 1
-    if read is not None and self.device_is_host:
+    if read is not None and self.keeps_staging[index]:
       buffers.append((self.staging, read.buffer))
     return Loaded(params_lib.unflatten(tree), loaded, tuple(buffers))
 
@@ -370,15 +387,19 @@ class Mover:
       return jax.device_put(whole, self.storage.device)
     return jnp.concatenate(values, axis=0).block_until_ready()
 
-  def _load_tensor(self, slot, value, read: '_StageRead | None') -> jax.Array:
+  def _load_tensor(self, slot, value, read: '_StageRead | None', *,
+                   copy: bool = False) -> jax.Array:
     """One non-resident tensor (or part) to the device as stored (packed ones dequantized
     there; the steps cast the rest a tile at a time); waits for it, so only one tensor is in
-    flight. On a CPU backend an aligned host array becomes a device array without a copy."""
+    flight. On a CPU backend an aligned host array becomes a device array without a copy;
+    `copy`: an unpacked one read from disk is copied out of the staging buffer."""
     packed = isinstance(value, quant_lib.Packed)
     stored = value.data if packed else value
     if slot.tier == 'disk':
       host, futures = read.parts[slot]
       diskio.wait(futures)
+      if copy and not packed:
+        host = np.array(host, copy=True)
       self.stats['bytes_moved']['weights_disk'] += stored.nbytes
       self.stats['disk_weights_by_phase'][self.clock.phase] += stored.nbytes
     else:

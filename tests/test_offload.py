@@ -114,6 +114,22 @@ def test_weights_load_once_per_stage_per_token_per_block(pre_ln, gpu_batch_size,
   assert len(result.weight_loads) == 2 + 2  # embed, two layers, head
 
 
+@pytest.mark.parametrize('compress', [False, True], ids=['as_stored', 'packed'])
+def test_disk_weights_are_staged_within_the_plan(pre_ln, compress):
+  # Two GPU batches, two steps in flight, the next stage loading and the one after read ahead.
+  # Packed stages give their staging buffer back once dequantized; an unpacked stage's device
+  # arrays are its buffer (a CPU backend), which the plan counts as the stage's loaded weights.
+  policy = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=0,
+                  compress_weight=compress)
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy) as engine:
+    result = engine.generate(PROMPTS, GEN)
+  plan = result.plan
+  assert plan.shape.read_ahead and plan.capacity('weights.staging') > 0
+  allowed = plan.capacity('weights.staging') + (0 if compress else
+                                                plan.capacity('weights.loaded'))
+  assert 0 < result.staging_bytes <= allowed, (result.staging_bytes, allowed)
+
+
 def test_too_small_budget_is_refused_before_allocating(pre_ln, tmp_path):
   with pytest.raises(FlexjaxError, match=r'needs [\d.]+ [KM]iB on the device tier but --gpu_mem '
                                          r'allows 9.77 KiB \(short by'):
