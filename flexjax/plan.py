@@ -241,6 +241,7 @@ class WeightTotals:
   tensor_max: int  # the largest tensor but the tokens' (float32 while dummy weights are drawn)
   tokens: int  # the token embedding as stored (read once, placed in two stages)
   largest_load: tuple | None  # (packed shape, dim) of the largest tensor dequantized on load
+  tensors_max: int = 0  # the most tensors of one stage (each has at most one part on disk)
 
 
 def stage_join_bytes(slots) -> int:
@@ -280,7 +281,8 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
                                    if s.path != ('tokens',)))
   tokens = math.prod(cfg.tokens_shape()) * sizes.storage
   return WeightTotals(placed, stored, loaded_max, join_max, transfer_max, disk_max, stage_max,
-                      resident_max, tensor_max, tokens, largest_load)
+                      resident_max, tensor_max, tokens, largest_load,
+                      max(len(stage_shapes(cfg, stage)) for stage in distinct_stages(cfg)))
 
 
 # ---- buffers ----------------------------------------------------------------------------------
@@ -441,6 +443,13 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
              2 if overlap and shape.read_ahead else 1, RUN,
              "a stage's disk weights read into RAM (and the one after, when read ahead)"),
       Buffer('xla.load', 'device', xla['load'], 1, RUN, 'cast / dequantize of a loaded tensor'),
+      # on a CPU backend a stage's unpacked disk tensors are device arrays over its staging
+      # buffer, kept until its steps have run (mover.Mover.keeps_staging): the two stages
+      # loaded hold theirs, counted above at their tensors' bytes; each disk tensor's part
+      # takes up to two blocks more there (aligned, and read from a block boundary)
+      Buffer('weights.staging_align', 'host',
+             2 * BLOCK * totals.tensors_max if shape.device_is_host else 0, stages_alive, RUN,
+             'alignment of the staging buffers that loaded weights are (CPU backend)'),
       Buffer('cache.device', 'device', L * g * kv_seq * cr['device'], 1, RUN,
              'KV cache rows on the device'),
       Buffer('cache.host', 'host', L * g * kv_seq * cr['host'], 1, RUN, 'KV cache rows in RAM'),
