@@ -241,7 +241,7 @@ class WeightTotals:
   tensor_max: int  # the largest tensor but the tokens' (float32 while dummy weights are drawn)
   tokens: int  # the token embedding as stored (read once, placed in two stages)
   largest_load: tuple | None  # (packed shape, dim) of the largest tensor dequantized on load
-  tensors_max: int = 0  # the most tensors of one stage (each has at most one part on disk)
+  tensors_max: int  # the most tensors of one stage (each has at most one part on disk)
 
 
 def stage_join_bytes(slots) -> int:
@@ -254,9 +254,11 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
   placed = dict.fromkeys(TIERS, 0)
   stored = dict.fromkeys(TIERS, 0)
   loaded_max = join_max = transfer_max = disk_max = stage_max = tensor_max = resident_max = 0
+  tensors_max = 0
   largest_load, largest_loaded = None, -1
   for stage, count in distinct_stages(cfg).items():
     layout = stage_layout(cfg, policy, sizes, stage)
+    tensors_max = max(tensors_max, len({slot.path for slot in layout}))
     for slot in layout:
       placed[slot.tier] += count * (slot.resident if slot.tier == 'device' else slot.stored)
       stored[slot.tier] += count * slot.stored
@@ -281,8 +283,7 @@ def weight_totals(cfg: ModelConfig, policy: Policy, sizes: Itemsizes) -> WeightT
                                    if s.path != ('tokens',)))
   tokens = math.prod(cfg.tokens_shape()) * sizes.storage
   return WeightTotals(placed, stored, loaded_max, join_max, transfer_max, disk_max, stage_max,
-                      resident_max, tensor_max, tokens, largest_load,
-                      max(len(stage_shapes(cfg, stage)) for stage in distinct_stages(cfg)))
+                      resident_max, tensor_max, tokens, largest_load, tensors_max)
 
 
 # ---- buffers ----------------------------------------------------------------------------------
