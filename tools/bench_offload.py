@@ -108,11 +108,26 @@ def _check_projection_fits(engine, policy: Policy, budgets: dict[str, int | None
                        'shorter run would be invalid: raise the budget or lower gen_len') from None
 
 
+def dummy_planner(cfg: config_lib.ModelConfig, compute_dtype: str):
+  """The planner of run_case's engine (dummy float16 weights on this process's first device):
+  a search planning with it chooses a policy that the plan the run enforces admits (a planner
+  for item sizes alone compiles on the CPU, whose XLA memory is not a GPU's)."""
+  import jax
+
+  from flexjax import hardware
+  from flexjax import plan as plan_lib
+  device = jax.local_devices()[0]
+  return plan_lib.Planner(cfg, storage_dtype='float16', compute_dtype=compute_dtype,
+                          cache_dtype=compute_dtype, device=device, cpu=hardware.cpu_device(),
+                          overhead=hardware.runtime_overhead(device.platform))
+
+
 def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache: str,
              prompt_len: int, gen_len: int, projected_gen_len: int | None = None,
              compute_dtype: str = 'float32', offload_dir: str | None = None,
              budgets: dict[str, int | None] | None = None,
-             context: dict[str, Any] | None = None, profile=None) -> dict[str, Any]:
+             context: dict[str, Any] | None = None, profile=None,
+             planner=None) -> dict[str, Any]:
   """Runs one case in one page-cache mode on a fresh engine. Returns its record.
 
   Args:
@@ -124,6 +139,7 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
     budgets: bytes per tier ('device', 'host', 'disk'); None or a missing key: unlimited.
     context: run_context() of the invocation (default: a new one).
     profile: a HardwareProfile: the record then carries the cost model's prediction.
+    planner: dummy_planner(cfg, compute_dtype) to reuse (default: the engine's own).
   """
   from flexjax.engine import Engine, GenerationConfig
   from flexjax.run import synthetic_prompts
@@ -137,7 +153,7 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
   prompts = synthetic_prompts(cfg, num=base.block_size, length=prompt_len, seed=0)
   gen = GenerationConfig(gen_len=measured_gen_len, stop_at_eos=False)
   with Engine(DummyWeights(cfg, dtype='float16'), policy=policy, compute_dtype=compute_dtype,
-              budgets=budgets, offload_dir=offload_dir,
+              budgets=budgets, offload_dir=offload_dir, planner=planner,
               drop_page_cache=(page_cache == 'dropped')) as engine:
     if projected_gen_len is not None:
       _check_projection_fits(engine, policy, budgets, prompt_len=prompt_len, gen_len=gen_len)

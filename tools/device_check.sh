@@ -3,10 +3,11 @@
 # image holding CUDA jax, torch, flax, orbax, absl, transformers and accelerate): run from the
 # repository root, nothing installed but FlexGen's wheel, every result under OUT_DIR.
 #
-#   bash tools/device_check.sh OUT_DIR [SECONDS]
+#   bash tools/device_check.sh OUT_DIR [SECONDS [STEPS]]
 #
 # SECONDS (default 560) bounds the whole check; each step gets at most its share and the suite
-# what is left. FlexGen 0.1.8 comes from .device/wheels (fetch it beforehand where the package
+# what is left. STEPS, a comma-separated list of the step names below (default: all of them),
+# runs only those, in the order below: a short lease spends its time on what is still unmeasured. FlexGen 0.1.8 comes from .device/wheels (fetch it beforehand where the package
 # registry is reachable: pip download flexgen==0.1.8 --no-deps -d .device/wheels) and is
 # installed into .device/site; without it the FlexGen rows fail and the rest still runs.
 #
@@ -31,8 +32,14 @@
 set -u
 out=${1:?usage: bash tools/device_check.sh OUT_DIR [SECONDS]}
 total=${2:-560}
+steps=${3:-env,transfers,writeback,fp16,memcheck,phases,suite,tests}
+known=,env,transfers,writeback,fp16,memcheck,phases,suite,tests,
+for name in ${steps//,/ }; do
+  [[ $known == *",$name,"* ]] || { echo "unknown step '$name': use some of ${known:1:-1}"; exit 2; }
+done
 py=${PYTHON:-python3}
 tests_s=120
+[[ ,$steps, == *,tests,* ]] || tests_s=0
 start=$(date +%s)
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,6 +53,7 @@ fi
 step() {
   local name=$1 limit=$2 began rc left
   shift 2
+  [[ ,$steps, == *",$name,"* ]] || return 0
   left=$(( start + total - $(date +%s) ))
   (( limit > left )) && limit=$left
   if (( limit < 10 )); then
@@ -89,7 +97,7 @@ step fp16 90 "$py" -m flexjax.main --model=opt-1.3b --weights=dummy --prompt_len
   --host_memory=pinned
 # what that run says of the checks (its table is longer than a step's tail)
 said=' (device|weight_dtype|compute_dtype|cache_dtype|host_memory|total_tok_s): '
-awk '/^==== /{on = ($2 == "fp16")} on' "$out/log.txt" |
+awk '/^==== /{on = ($2 == "fp16")} on' "$out/log.txt" 2> /dev/null |
   grep -E "$said|(planned|measured)_[a-z]+_peak_bytes"
 
 step memcheck 150 "$py" -m tools.memcheck \

@@ -223,7 +223,11 @@ def record_head(case: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]
 
 
 def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
-  """The case's policy (searched for "auto") and the hardware profile, if any."""
+  """The case's policy (searched for "auto"), the hardware profile, if any, and the planner
+  its run is to use (None: the engine's own). Searched for this machine, the search plans with
+  the run's own planner (its steps compiled on this device): on a GPU, XLA's memory there is not
+  what a CPU compile of the same steps holds (opt-6.7b 16 x 512 in float16 on an H200: a policy
+  chosen from the CPU's numbers needed 16.11 GiB of a 16 GiB budget in the run's plan)."""
   from flexjax import search
   from flexjax.hardware import HardwareProfile, t4_profile
   spec = case['hw_profile']
@@ -231,12 +235,14 @@ def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
              else None)
   fixed = case['fixed']
   if case['policy'] != 'auto':
-    return _policy_from({**case['policy'], **fixed}, case['name']), profile
+    return _policy_from({**case['policy'], **fixed}, case['name']), profile, None
+  planner = None
   if profile is None:  # this machine's, measured once and cached
     import jax
     from flexjax.run import resolve_profile
     profile = resolve_profile(None, jax.devices()[0], measure_if_missing=True,
                               scratch_dir=case['offload_dir'])
+    planner = bench_offload.dummy_planner(cfg, case['compute_dtype'])
   budgets = budgets_of(case)
   if budgets['disk'] is None:
     budgets['disk'] = _free_disk(case['offload_dir'])
@@ -247,12 +253,12 @@ def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
     if name in fixed:
       choices[arg] = (fixed[name],)
   found = search.search(cfg, profile, budgets, prompt_len=case['prompt_len'],
-                        gen_len=case['gen_len'], sizes=sizes,
+                        gen_len=case['gen_len'], sizes=sizes, planner=planner,
                         template=_policy_from(fixed, case['name']),
                         max_block_size=case['max_block_size'],
                         fixed_percents=[k for k in fixed if k in search.PERCENT_FIELDS],
                         **choices)
-  return found.policy, profile
+  return found.policy, profile, planner
 
 
 def _itemsizes(case: dict[str, Any]) -> plan_lib.Itemsizes:
@@ -266,12 +272,12 @@ def _free_disk(folder: str | None) -> int:
 
 
 def _run_flexjax(cfg, case) -> dict[str, Any]:
-  policy, profile = flexjax_policy(cfg, case)
+  policy, profile, planner = flexjax_policy(cfg, case)
   record = bench_offload.run_case(
       cfg, policy, case='block', page_cache=case['page_cache'], prompt_len=case['prompt_len'],
       gen_len=case['gen_len'], projected_gen_len=case['projected_gen_len'],
       compute_dtype=case['compute_dtype'], offload_dir=case['offload_dir'],
-      budgets=budgets_of(case), context={}, profile=profile)
+      budgets=budgets_of(case), context={}, profile=profile, planner=planner)
   keep = ('num_prompts', 'measured_gen_len', 'projected', 'prefill_s', 'decode_s',
           'measured_decode_s', 'peak_bytes', 'planned_peak_bytes', 'host_peak_rss_bytes',
           'policy', 'policy_fields', 'compute_dtype', 'weight_storage_dtype', 'bytes_moved',
@@ -335,7 +341,7 @@ def describe_case(case: dict[str, Any]) -> str:
   if case['system'] == 'flexgen':
     return f'flexgen {cfg.name} {lengths}, policy {case["policy"]}'
   try:
-    policy, profile = flexjax_policy(cfg, case)
+    policy, profile, _ = flexjax_policy(cfg, case)
   except FlexjaxError as e:
     return f'flexjax {cfg.name} {lengths}: {e}'
   text = f'flexjax {cfg.name} {lengths}, block {policy.block_size}: {policy.describe()}'
