@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = ['env', 'transfers', 'writeback', 'fp16', 'memcheck', 'phases', 'suite', 'tests']
 
 
-def run_recorded(tmp_path, seconds: int, sleep: float = 0) -> tuple[list[str], list[list[str]]]:
+def run_recorded(tmp_path, seconds: int, sleep: float = 0,
+                 steps: tuple[str, ...] = ()) -> tuple[list[str], list[list[str]]]:
   """Runs the script with a stand-in interpreter that records its arguments, sleeps `sleep`
-  seconds and exits 0: (steps.txt lines, each recorded argv)."""
+  seconds and exits 0 (`steps`: those named alone): (steps.txt lines, each recorded argv)."""
   calls = tmp_path / 'calls.jsonl'
   fake = tmp_path / 'python'
   fake.write_text('#!/usr/bin/env python3\nimport json, sys, time\n'
@@ -29,7 +30,8 @@ def run_recorded(tmp_path, seconds: int, sleep: float = 0) -> tuple[list[str], l
   fake.chmod(0o755)
   out = tmp_path / 'out'
   # from an empty folder: no FlexGen wheel to install there
-  proc = subprocess.run(['bash', str(ROOT / 'tools/device_check.sh'), str(out), str(seconds)],
+  proc = subprocess.run(['bash', str(ROOT / 'tools/device_check.sh'), str(out), str(seconds),
+                         *([','.join(steps)] if steps else [])],
                         cwd=tmp_path,
                         env={'PATH': '/usr/bin:/bin', 'PYTHON': str(fake)},
                         capture_output=True, text=True, timeout=60)
@@ -56,6 +58,17 @@ def test_a_short_total_skips_what_does_not_fit(tmp_path):
   assert lines[0].startswith('env rc=0') and lines[0].endswith('(limit 13 s)')
   assert lines[1:-1] == [f'{name} skipped: no time left' for name in STEPS[1:]]
   assert len(argvs) == 1
+
+
+def test_named_steps_run_alone_and_the_suite_keeps_no_share_for_tests(tmp_path):
+  lines, argvs = run_recorded(tmp_path, 300, steps=('writeback', 'suite'))
+  assert [line.split()[0] for line in lines[:-1]] == ['writeback', 'suite']
+  limit = int(lines[1].split('(limit ')[1].split()[0])
+  assert 300 - 5 <= limit <= 300
+  assert [a[:2] for a in argvs] == [['-m', 'tools.transfer_probe'], ['-m', 'tools.suite']]
+  proc = subprocess.run(['bash', str(ROOT / 'tools/device_check.sh'), str(tmp_path / 'x'), '60',
+                         'env,gpu'], capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2 and "unknown step 'gpu'" in proc.stdout
 
 
 def test_what_it_runs_exists(tmp_path):
