@@ -298,8 +298,7 @@ class Mover:
       for slot, value in self.stages[index]:
         if slot in self.loads[index]:
           loaded += self._reserve_loaded(slot.loaded + slot.join)
-          value = self._load_tensor(slot, value, read,
-                                    copy=self.device_is_host and not self.keeps_staging[index])
+          value = self._load_tensor(slot, value, read, keeps=self.keeps_staging[index])
         parts.setdefault(slot.path, []).append((slot, value))
       stage = self.stage_names[index]
       tree = self._join_all(stage, parts, buffers)
@@ -388,17 +387,18 @@ class Mover:
     return jnp.concatenate(values, axis=0).block_until_ready()
 
   def _load_tensor(self, slot, value, read: '_StageRead | None', *,
-                   copy: bool = False) -> jax.Array:
+                   keeps: bool) -> jax.Array:
     """One non-resident tensor (or part) to the device as stored (packed ones dequantized
     there; the steps cast the rest a tile at a time); waits for it, so only one tensor is in
-    flight. On a CPU backend an aligned host array becomes a device array without a copy;
-    `copy`: an unpacked one read from disk is copied out of the staging buffer."""
+    flight. On a CPU backend an aligned host array becomes a device array without a copy: an
+    unpacked one read from disk is that staging buffer where the stage `keeps` it
+    (keeps_staging), else a copy out of it, so that the buffer can go back."""
     packed = isinstance(value, quant_lib.Packed)
     stored = value.data if packed else value
     if slot.tier == 'disk':
       host, futures = read.parts[slot]
       diskio.wait(futures)
-      if copy and not packed:
+      if self.device_is_host and not keeps and not packed:
         host = np.array(host, copy=True)
       self.stats['bytes_moved']['weights_disk'] += stored.nbytes
       self.stats['disk_weights_by_phase'][self.clock.phase] += stored.nbytes
