@@ -18,6 +18,18 @@ from flexjax import diskio, scratch
 from flexjax.errors import FlexjaxError
 
 TIERS = ('device', 'host', 'disk')
+# Host copies of at least this many bytes are split among Storage.copy_threads threads.
+COPY_SPLIT_BYTES = 8 << 20
+
+
+def copy_threads_for(platform: str) -> int:
+  """Threads that copy the offloaded rows between host buffers: one on a CPU backend (its
+  cores run the steps), else half the host's cores up to eight. One thread copies host memory
+  at a fraction of what the memory system moves (the write-back's copy into the host cache on
+  an H200 machine's host: 10.9 GB/s, against 53 GB/s of pinned DMA beside it)."""
+  if platform == 'cpu':
+    return 1
+  return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 class TierAccount:
@@ -213,9 +225,10 @@ class Storage:
   def __init__(self, device: jax.Device, budgets: dict[str, int | None] | None = None, *,
                capacities: dict[str, int] | None = None,
                offload_dir: str | os.PathLike | None = None, drop_page_cache: bool = False,
-               host_memory: str | None = None):
+               host_memory: str | None = None, copy_threads: int | None = None):
     budgets = budgets or {}
     self.device = device
+    self.copy_threads = copy_threads or copy_threads_for(device.platform)
     self.host_memory = host_memory  # jax memory kind of host-tier weights; None: numpy buffers
     self.device_memory = jax.sharding.SingleDeviceSharding(
         device, memory_kind=device.default_memory().kind)
@@ -229,6 +242,7 @@ class Storage:
     self._lock = threading.Lock()
     self._disk_io: concurrent.futures.ThreadPoolExecutor | None = None  # disk arrays' reads
     self._disk_writes: concurrent.futures.ThreadPoolExecutor | None = None  # and their writes
+    self._copies: concurrent.futures.ThreadPoolExecutor | None = None  # host copies (copy)
 
   def __enter__(self) -> 'Storage':
     return self
@@ -237,10 +251,10 @@ class Storage:
     self.close()
 
   def close(self) -> None:
-    for pool in (self._disk_io, self._disk_writes):
+    for pool in (self._disk_io, self._disk_writes, self._copies):
       if pool is not None:
         pool.shutdown(wait=True)
-    self._disk_io = self._disk_writes = None
+    self._disk_io = self._disk_writes = self._copies = None
     if self._run_dir is not None:
       self._run_dir.release()
       self._run_dir = None
@@ -297,6 +311,26 @@ class Storage:
     out = aligned_empty(shape, dtype)
     out[...] = 0
     return out
+
+  def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src (src broadcast to dst's shape), split among `copy_threads` threads by
+    runs of the leading axis (of the second where there are fewer leading rows than threads)
+    where it is large: numpy copies without holding the GIL."""
+    axis = 0 if dst.ndim < 2 or dst.shape[0] >= self.copy_threads else 1
+    parts = min(self.copy_threads, dst.shape[axis] if dst.ndim else 1)
+    if parts < 2 or dst.nbytes < COPY_SPLIT_BYTES:
+      np.copyto(dst, src, casting='unsafe')  # as dst[...] = src
+      return
+    src = np.broadcast_to(src, dst.shape)
+    with self._lock:
+      if self._copies is None:
+        self._copies = concurrent.futures.ThreadPoolExecutor(self.copy_threads, 'flexjax-copy')
+    bounds = np.linspace(0, dst.shape[axis], parts + 1).astype(int)
+    cut = lambda a, i: a[(slice(None),) * axis + (slice(bounds[i], bounds[i + 1]),)]
+    futures = [self._copies.submit(np.copyto, cut(dst, i), cut(src, i), casting='unsafe')
+               for i in range(parts)]
+    for future in futures:
+      future.result()
 
   def to_host(self, value: jax.Array):
     """Starts copying a device array to host memory; returns what np.asarray turns into its
@@ -410,7 +444,7 @@ class SplitArray:
     n = host_value.shape[1]
     h = self.rows['host']
     if self.host is not None:
-      self.host[:, start:start + n] = host_value[:h]
+      self.storage.copy(self.host[:, start:start + n], host_value[:h])
     if self.disk is not None:
       self.disk.write((slice(None), slice(start, start + n)), host_value[h:])
 
@@ -435,7 +469,7 @@ class SplitArray:
       raise ValueError(f'out {out.shape} {out.dtype} is not {shape} {self.dtype}')
     out[:, length:max(length, total if zeros_from is None else zeros_from)] = 0
     if self.host is not None:
-      out[:h, :length] = self.host[:, :length]
+      self.storage.copy(out[:h, :length], self.host[:, :length])
     if self.disk is not None:
       self.disk.read((slice(None), slice(0, length)), out=out[h:, :length])
     return out

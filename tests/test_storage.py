@@ -268,6 +268,27 @@ def test_split_array_full_write_reads_back_the_offloaded_rows(tmp_path, rows, dt
     split.close()
 
 
+@pytest.mark.parametrize('rows', [dict(device=1, host=5, disk=0), dict(device=0, host=2, disk=1)],
+                         ids=['rows-split', 'positions-split'])
+def test_large_host_copies_split_among_threads_keep_every_byte(tmp_path, rows):
+  """An accelerator's host copies of offloaded rows run on several threads (Storage.copy); here
+  three on the CPU backend: a prompt's rows written at a time offset and read back, by runs of
+  rows (enough of them) or of positions (fewer rows than threads)."""
+  shape = (6 if rows['host'] == 5 else 3, 300, 8192)  # 12-31 MiB of host rows per write
+  value = random_array((shape[0], 200, shape[2]), np.float32, seed=7)
+  with Storage(cpu(), offload_dir=tmp_path, copy_threads=3) as storage:
+    split = make_split(storage, rows, shape)
+    split.write_offloaded(jnp.asarray(value), 50)
+    expected = np.zeros(shape, np.float32)
+    expected[:, 50:250] = value
+    np.testing.assert_array_equal(split.read_offloaded(300), offloaded_of(expected, rows))
+    assert storage._copies is not None  # the copies went through the threads
+    target = np.full((4, 16 << 10, 100), 7.0, np.float32)[:, ::2]  # strided, 12.5 MiB
+    storage.copy(target, np.float32(1.5))  # broadcast
+    assert np.all(target == 1.5)
+    split.close()
+
+
 @pytest.mark.parametrize('dtype', [np.float32, np.uint8])
 @pytest.mark.parametrize('rows', SPLITS, ids=SPLIT_IDS)
 def test_split_array_token_by_token_writes(tmp_path, rows, dtype):

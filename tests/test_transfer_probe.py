@@ -13,7 +13,8 @@ def test_every_method_delivers_the_rows_and_is_timed():
   result = transfer_probe.measure(mib=2, repeats=1)
   assert result['bytes'] == 16 * 16 * 4096 * 2  # 2 MiB of [16, time, 4096] float16 rows
   # the CPU backend here offers pinned host memory: every method runs
-  assert set(result['to_host']) == {'asarray', 'pinned+asarray'}
+  assert set(result['to_host']) == {'asarray', 'pinned+asarray', 'pinned+threads'}
+  assert result['copy_threads'] == 1  # a CPU backend's cores compute
   assert set(result['to_device']) == {'fresh', 'reused', 'via pinned'}
   rates = [*result['to_host'].values(), *result['to_device'].values()]
   assert all(np.isfinite(rate) and rate > 0 for rate in rates)
@@ -22,8 +23,8 @@ def test_every_method_delivers_the_rows_and_is_timed():
 def test_a_method_that_delivers_other_bytes_is_an_error(monkeypatch):
   real = transfer_probe._methods
 
-  def one_corrupted(device, rows):
-    methods = real(device, rows)
+  def one_corrupted(device, rows, storage, calls):
+    methods = real(device, rows, storage, calls)
     methods['to_host']['asarray'] = lambda: np.zeros_like(rows)
     return methods
 
