@@ -7,7 +7,8 @@
 #
 # SECONDS (default 560) bounds the whole check; each step gets at most its share and the suite
 # what is left. STEPS, a comma-separated list of the step names below (default: all of them),
-# runs only those, in the order below: a short lease spends its time on what is still unmeasured. FlexGen 0.1.8 comes from .device/wheels (fetch it beforehand where the package
+# runs only those, in the order below: a short lease spends its time on what is still
+# unmeasured. FlexGen 0.1.8 comes from .device/wheels (fetch it beforehand where the package
 # registry is reachable: pip download flexgen==0.1.8 --no-deps -d .device/wheels) and is
 # installed into .device/site; without it the FlexGen rows fail and the rest still runs.
 #
@@ -30,7 +31,7 @@
 # its runs, pytest and the runs its tests start) each allocates as it grows
 # (XLA_PYTHON_CLIENT_PREALLOCATE=false), which rounds allocations up (BUILD_NOTES: up to ~2%).
 set -u
-out=${1:?usage: bash tools/device_check.sh OUT_DIR [SECONDS]}
+out=${1:?usage: bash tools/device_check.sh OUT_DIR [SECONDS [STEPS]]}
 total=${2:-560}
 steps=${3:-env,transfers,writeback,fp16,memcheck,phases,suite,tests}
 known=,env,transfers,writeback,fp16,memcheck,phases,suite,tests,
