@@ -150,18 +150,20 @@ class Executor:
             mover.free_weights(current, stage_outputs)
             current, stage_outputs = None, []
           with clock.part('weight_read'):
-            future = weights.pop(step.stage, None) or mover.workers['weights'].submit(
-                mover.load_weights, step.stage)
-            current = clock.ready(future.result())
+            future = weights.pop(step.stage, None)
+            current = clock.ready(future.result() if future is not None
+                                  else mover.load_weights(step.stage))
           upcoming = next_stages(steps, n, 2)
-          if overlap and upcoming:
+          # The next stage's weights load on their thread once this stage's last outputs exist
+          # (two stages' loaded weights alive); a stage with none off the device looks its
+          # resident ones up when it comes, and waits for nothing.
+          if overlap and upcoming and mover.loads_weights(upcoming[0]):
             weights[upcoming[0]] = mover.workers['weights'].submit(
                 mover.load_weights, upcoming[0], previous_stage_out)
-            if len(upcoming) > 1:
-              mover.read_ahead(upcoming[1])
-        future = inputs.pop(step, None) or mover.workers['load'].submit(
-            mover.load_inputs, step, batch)
-        loaded = future.result()
+          if overlap and len(upcoming) > 1:
+            mover.read_ahead(upcoming[1])
+        future = inputs.pop(step, None)
+        loaded = future.result() if future is not None else mover.load_inputs(step, batch)
         while len(in_flight) >= in_flight_limit[clock.phase]:
           jax.block_until_ready(in_flight.popleft())
           if trim_prompt_steps and clock.phase == 'prefill':
@@ -172,10 +174,12 @@ class Executor:
           stage_outputs.append(output)
           if released is not None:
             releases.append(released)
-          if overlap and n + 1 < len(steps):
+          if (overlap and n + 1 < len(steps)
+              and not mover.loads_nothing(steps[n + 1], batches[steps[n + 1].batch])):
             # The next step's inputs start loading now, before the step before this one has
             # finished: the two steps in flight and the one loading hold inputs (plan's
             # inputs_alive), and the disk never waits for the compute to read a step's cache.
+            # Inputs already on the device are looked up when their step comes (no handoff).
             inputs[steps[n + 1]] = mover.workers['load'].submit(mover.load_inputs, steps[n + 1],
                                                                 batches[steps[n + 1].batch])
           elif not overlap:

@@ -282,6 +282,11 @@ class Mover:
       if not keep:
         self.staging.give_back(read.buffer)
 
+  def loads_weights(self, index: int) -> bool:
+    """Whether a stage has weights off the device to bring (else load_weights only looks its
+    resident ones up, with nothing to wait for)."""
+    return bool(self.loads[index])
+
   def load_weights(self, index: int, after=None):
     """Brings a stage's weights to the device once `after` (the previous stage's last outputs)
     exist, so at most two stages' loaded weights are alive; its disk reads start before that
@@ -426,6 +431,16 @@ class Mover:
       pool.give_back(buffer, after)
 
   # ---- inputs -----------------------------------------------------------------------------------
+  def loads_nothing(self, step, batch) -> bool:
+    """Whether a step's inputs are all on the device already (no offloaded hidden or cache
+    rows to bring): load_inputs then only looks them up, which the executor does on its own
+    thread rather than hand to the load thread and wait for it."""
+    layer = step.stage - 1
+    if step.stage > 0 and batch.hidden.offloaded_rows:
+      return False
+    return not (step.token > 0 and 0 <= layer < len(batch.caches)
+                and batch.caches[layer][0].offloaded_rows)
+
   def load_inputs(self, step, batch) -> dict:
     """Brings a step's offloaded hidden rows and (decode) offloaded cache rows to where the
     computation needs them. Runs on the load thread under overlap."""
@@ -511,8 +526,12 @@ class Mover:
     for buffer, zeros_from in inputs.pop('staged', []):
       self.cache_staging.give_back(buffer, zeros_from)
 
-  def release_when_ready(self, inputs: dict, outputs) -> concurrent.futures.Future:
-    """Returns the inputs' bytes once `outputs` exist (on the store thread)."""
+  def release_when_ready(self, inputs: dict, outputs) -> concurrent.futures.Future | None:
+    """Returns the inputs' bytes once `outputs` exist (on the store thread); None where they
+    hold none (inputs on the device)."""
+    if not inputs.get('held') and not inputs.get('staged'):
+      return None
+
     def wait_and_release():
       jax.block_until_ready(outputs)
       self.release(inputs)
