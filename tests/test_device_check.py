@@ -11,11 +11,13 @@ from absl import flags
 
 from flexjax import flags as flags_lib
 from tools import memcheck
+from tools import step_overhead
 from tools import suite
 from tools import transfer_probe
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ['env', 'transfers', 'writeback', 'fp16', 'memcheck', 'phases', 'suite', 'tests']
+STEPS = ['env', 'transfers', 'writeback', 'fp16', 'overhead', 'memcheck', 'phases', 'suite',
+         'tests']
 
 
 def run_recorded(tmp_path, seconds: int, sleep: float = 0,
@@ -96,6 +98,11 @@ def test_what_it_runs_exists(tmp_path):
   transfer_probe.define_flags(probe)
   probe(['transfer_probe', *by_module['tools.transfer_probe']])
   assert probe.mib == 256
+  # the step-overhead tool's defaults parse
+  overhead = flags.FlagValues()
+  step_overhead.define_flags(overhead)
+  overhead(['step_overhead', *by_module['tools.step_overhead']])
+  assert overhead.layers == 32
   # the phase tool runs once with jax's default allocator, once growing
   assert [a for a in argvs if a[:2] == ['-m', 'tools.phase_memory']] == [
       ['-m', 'tools.phase_memory']] * 2

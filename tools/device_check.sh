@@ -20,6 +20,8 @@
 #              back by each method the engine could use (pageable, through pinned memory)
 #   fp16       opt-1.3b with weights 30/70 on device/host pinned: the default compute dtype on
 #              a GPU (float16), host memory kind, memory_stats peak against the plan
+#   overhead   tools.step_overhead: the engine's own time per decode step (a narrow model all
+#              on the device), what bounds a small batch's decode on a GPU
 #   memcheck   tools.memcheck's GPU-relevant cases: memory_stats peak <= plan per case
 #   phases     tools.phase_memory: device bytes in use and peak after placing, compiling and
 #              generating, with jax's default allocator and with growth
@@ -33,8 +35,8 @@
 set -u
 out=${1:?usage: bash tools/device_check.sh OUT_DIR [SECONDS [STEPS]]}
 total=${2:-560}
-steps=${3:-env,transfers,writeback,fp16,memcheck,phases,suite,tests}
-known=,env,transfers,writeback,fp16,memcheck,phases,suite,tests,
+steps=${3:-env,transfers,writeback,fp16,overhead,memcheck,phases,suite,tests}
+known=,env,transfers,writeback,fp16,overhead,memcheck,phases,suite,tests,
 for name in ${steps//,/ }; do
   [[ $known == *",$name,"* ]] || { echo "unknown step '$name': use some of ${known:1:-1}"; exit 2; }
 done
@@ -100,6 +102,8 @@ step fp16 90 "$py" -m flexjax.main --model=opt-1.3b --weights=dummy --prompt_len
 said=' (device|weight_dtype|compute_dtype|cache_dtype|host_memory|total_tok_s): '
 awk '/^==== /{on = ($2 == "fp16")} on' "$out/log.txt" 2> /dev/null |
   grep -E "$said|(planned|measured)_[a-z]+_peak_bytes"
+
+step overhead 40 "$py" -m tools.step_overhead
 
 step memcheck 150 "$py" -m tools.memcheck \
   --only=all_device,weights_host_pinned,weights_disk,cache_host,cpu_attention,int4_weights_cache \
