@@ -1,6 +1,5 @@
 """tools/step_overhead.py: the engine's time per decode step of a model too narrow to compute."""
 
-import json
 import subprocess
 import sys
 
