@@ -162,12 +162,11 @@ class Engine:
     compute_dtype = compute_dtype or hardware.default_compute_dtype(self.device.platform)
     self.compute_dtype = compute_dtype
     self.cache_dtype = cache_dtype or compute_dtype
-    self.cpu = planner.cpu if planner is not None else hardware.cpu_device()
     self.budgets = dict(budgets or {})
-    self.planner = planner or plan_lib.Planner(
-        self.config, storage_dtype=self.weight_dtype, compute_dtype=compute_dtype,
-        cache_dtype=self.cache_dtype, device=self.device, cpu=self.cpu,
-        overhead=overhead or hardware.runtime_overhead(self.device.platform))
+    self.planner = planner or plan_lib.Planner.for_device(
+        self.config, self.device, storage_dtype=self.weight_dtype, compute_dtype=compute_dtype,
+        cache_dtype=self.cache_dtype, overhead=overhead)
+    self.cpu = self.planner.cpu
     self.sizes = self.planner.sizes
     self.steps = self.planner.steps(policy)
     placing = self.planner.weights_plan(policy)

@@ -435,11 +435,18 @@ class Mover:
     """Whether a step's inputs are all on the device already (no offloaded hidden or cache
     rows to bring): load_inputs then only looks them up, which the executor does on its own
     thread rather than hand to the load thread and wait for it."""
+    return not ((step.stage > 0 and batch.hidden.offloaded_rows)
+                or self._offloaded_caches(step, batch))
+
+  @staticmethod
+  def _offloaded_caches(step, batch):
+    """The (K, V) caches of a decode step's layer when they have rows off the device, else
+    None (a prompt step reads no cache)."""
     layer = step.stage - 1
-    if step.stage > 0 and batch.hidden.offloaded_rows:
-      return False
-    return not (step.token > 0 and 0 <= layer < len(batch.caches)
-                and batch.caches[layer][0].offloaded_rows)
+    if step.token > 0 and 0 <= layer < len(batch.caches):
+      caches = batch.caches[layer]
+      return caches if caches[0].offloaded_rows else None
+    return None
 
   def load_inputs(self, step, batch) -> dict:
     """Brings a step's offloaded hidden rows and (decode) offloaded cache rows to where the
@@ -449,17 +456,16 @@ class Mover:
       with self.clock.part('hidden_read'):
         out['hidden'] = self.clock.ready(self._read_hidden(
             batch.hidden, 1 if step.token else batch.tokens.shape[1], out['held']))
-    layer = step.stage - 1
-    if step.token > 0 and 0 <= layer < len(batch.caches):
-      k_cache, v_cache = batch.caches[layer]
-      if k_cache.offloaded_rows:  # sparse attention reads V later, only the rows it keeps
-        dense = self.policy.attn_sparsity == 1
-        written = batch.tokens.shape[1] + step.token - 1  # positions cached before this token
-        with self.clock.part('cache_read'):
-          out['cache'] = self.clock.ready((
-              self._read_cache(k_cache, 'k_cache', written, out['held'], out['staged']),
-              self._read_cache(v_cache, 'v_cache', written, out['held'], out['staged'])
-              if dense else None))
+    caches = self._offloaded_caches(step, batch)
+    if caches is not None:  # sparse attention reads V later, only the rows it keeps
+      k_cache, v_cache = caches
+      dense = self.policy.attn_sparsity == 1
+      written = batch.tokens.shape[1] + step.token - 1  # positions cached before this token
+      with self.clock.part('cache_read'):
+        out['cache'] = self.clock.ready((
+            self._read_cache(k_cache, 'k_cache', written, out['held'], out['staged']),
+            self._read_cache(v_cache, 'v_cache', written, out['held'], out['staged'])
+            if dense else None))
     return out
 
   def _hold(self, held: list, tier: str, nbytes: int, pool: str) -> None:

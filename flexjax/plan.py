@@ -745,6 +745,18 @@ class Planner:
     self._compiled_rest: set[tuple] = set()  # runs whose compile_run is done
 
   @classmethod
+  def for_device(cls, cfg: ModelConfig, device: jax.Device, *, storage_dtype: str,
+                 compute_dtype: str, cache_dtype: str | None = None,
+                 overhead: Overhead | None = None) -> 'Planner':
+    """The planner of a run on `device` (an Engine's own): its steps compiled there, the
+    process's CPU backend for CPU attention, the backend's runtime overhead unless given."""
+    from flexjax import hardware
+    return cls(cfg, storage_dtype=storage_dtype, compute_dtype=compute_dtype,
+               cache_dtype=cache_dtype or compute_dtype, device=device,
+               cpu=hardware.cpu_device(),
+               overhead=overhead or hardware.runtime_overhead(device.platform))
+
+  @classmethod
   def for_sizes(cls, cfg: ModelConfig, sizes: Itemsizes, *, device_is_host: bool,
                 overhead: Overhead | None = None) -> 'Planner':
     """A planner from item sizes alone (cost-model studies), compiling on the CPU backend."""

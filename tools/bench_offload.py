@@ -114,12 +114,9 @@ def dummy_planner(cfg: config_lib.ModelConfig, compute_dtype: str):
   for item sizes alone compiles on the CPU, whose XLA memory is not a GPU's)."""
   import jax
 
-  from flexjax import hardware
   from flexjax import plan as plan_lib
-  device = jax.local_devices()[0]
-  return plan_lib.Planner(cfg, storage_dtype='float16', compute_dtype=compute_dtype,
-                          cache_dtype=compute_dtype, device=device, cpu=hardware.cpu_device(),
-                          overhead=hardware.runtime_overhead(device.platform))
+  return plan_lib.Planner.for_device(cfg, jax.local_devices()[0], storage_dtype='float16',
+                                     compute_dtype=compute_dtype)
 
 
 def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache: str,
