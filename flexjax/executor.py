@@ -126,12 +126,13 @@ class Executor:
     in_flight_limit = {phase: plan_lib.steps_in_flight(phase, overlap,
                                                        self.device.platform == 'cpu')
                        for phase in ('prefill', 'decode')}
-    # A CPU backend's prompt steps run one at a time (the plan counts one). What a finished
-    # step freed stays resident where glibc keeps it (its blocks under the mmap threshold), and
-    # the next step's would be allocated beside it: opt350m_disk_block measured 2.40 GiB
-    # against a 2.38 GiB plan, 2.14-2.16 GiB with the heap trimmed after each prompt step (at
-    # no cost in its prefill time).
-    trim_prompt_steps = self.device.platform == 'cpu'
+    # A step that runs alone (a CPU backend's prompt step; the plan counts one) hands what the
+    # step before it freed back to the system first: glibc keeps the freed blocks under its mmap
+    # threshold, and the next step's would be allocated beside them (opt350m_disk_block measured
+    # 2.40 GiB against a 2.38 GiB plan, 2.14-2.16 GiB with the heap trimmed, at no cost in its
+    # prefill time).
+    alone = {phase: plan_lib.runs_alone(phase, self.device.platform == 'cpu')
+             for phase in ('prefill', 'decode')}
     weights: dict[int, concurrent.futures.Future] = {}
     inputs: dict[Step, concurrent.futures.Future] = {}
     current = None  # the stage's mover.Loaded weights
@@ -166,7 +167,7 @@ class Executor:
         loaded = future.result() if future is not None else mover.load_inputs(step, batch)
         while len(in_flight) >= in_flight_limit[clock.phase]:
           jax.block_until_ready(in_flight.popleft())
-          if trim_prompt_steps and clock.phase == 'prefill':
+          if alone[clock.phase]:
             memwatch.return_free_memory()
         with clock.part('compute'):
           output, released = self._compute(step, batch, current.params, loaded, gen)

@@ -177,10 +177,11 @@ def include_cpu_platform() -> None:
 
 
 def cpu_device():
-  """The host CPU as a jax device (CPU attention, quantization while placing)."""
+  """This process's host CPU as a jax device (CPU attention, quantization while placing; a
+  distributed run lists every process's CPU devices, of which only its own are local)."""
   import jax
   try:
-    return jax.devices('cpu')[0]
+    return jax.local_devices(backend='cpu')[0]
   except RuntimeError:
     platforms = jax.config.jax_platforms
     if with_cpu_platform(platforms) == platforms:  # the CPU was asked for: another failure
@@ -327,7 +328,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   bar = progress_lib.bar(3 + len(sizes) + 4 + 4, 'measuring', unit='test', show=progress)
 
   device = device or jax.devices()[0]
-  cpu = jax.devices('cpu')[0]
+  cpu = cpu_device()
   compute = jnp.float32 if device.platform == 'cpu' else jnp.float16
   itemsize = np.dtype(compute).itemsize
 

@@ -386,15 +386,20 @@ def stages_loaded(overlap: bool) -> int:
   return 2 if overlap else 1
 
 
+def runs_alone(phase: str, device_is_host: bool) -> bool:
+  """Whether a step of `phase` runs alone: a CPU backend's prompt steps, one at a time. Each
+  runs for a tenth of a second or more there (its dispatch gap is a few milliseconds) and
+  XLA:CPU's library fusions make it large (an opt-6.7b layer of 64 x 64 rows: 1.9 GB), so a
+  second one in flight would cost a batch twice its size in memory. What the finished step
+  freed is handed back to the system before the next one starts (executor.Executor), or the
+  heap would hold it beside the next step's."""
+  return phase == 'prefill' and device_is_host
+
+
 def steps_in_flight(phase: str, overlap: bool, device_is_host: bool) -> int:
   """Steps the executor dispatches before the oldest has finished: two with overlap, so the
-  device never waits for the next dispatch, except a CPU backend's prompt steps, one at a
-  time: each runs for a tenth of a second or more there (its dispatch gap is a few
-  milliseconds) and XLA:CPU's library fusions make it large (an opt-6.7b layer of 64 x 64
-  rows: 1.9 GB), so a second one in flight would cost a batch twice its size in memory. What
-  the finished step freed is handed back to the system before the next one starts
-  (executor.Executor), or the heap would hold it beside the next step's."""
-  if not overlap or (phase == 'prefill' and device_is_host):
+  device never waits for the next dispatch, except steps that run alone (runs_alone)."""
+  if not overlap or runs_alone(phase, device_is_host):
     return 1
   return 2
 

@@ -265,10 +265,9 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
     plan_lib.check_probe(hardware.runtime_overhead(device.platform, probe=probe),
                          device.platform == 'cpu', budgets)
     profile = measure_profile(device, scratch_dir=rc.offload_dir, progress=rc.progress)
-  planner = plan_lib.Planner(
-      source.config, storage_dtype=source.dtype, compute_dtype=compute_dtype,
-      cache_dtype=rc.cache_dtype or compute_dtype, device=device,
-      cpu=jax.local_devices(backend='cpu')[0],
+  planner = plan_lib.Planner.for_device(
+      source.config, device, storage_dtype=source.dtype, compute_dtype=compute_dtype,
+      cache_dtype=rc.cache_dtype,
       overhead=hardware.runtime_overhead(device.platform,
                                          profile if profile and profile.name.startswith(
                                              device.platform) else None, probe=probe))

@@ -57,9 +57,9 @@ def jax_platforms():
 
 
 def test_a_missing_cpu_backend_is_named_with_its_fix(monkeypatch, jax_platforms):
-  def devices(backend=None):
+  def local_devices(process_index=None, backend=None):
     raise RuntimeError(f'Unknown backend {backend}')
-  monkeypatch.setattr(jax, 'devices', devices)
+  monkeypatch.setattr(jax, 'local_devices', local_devices)
   jax_platforms('cuda')
   with pytest.raises(FlexjaxError, match=r"JAX_PLATFORMS='cuda'.*JAX_PLATFORMS=cuda,cpu") as e:
     hardware.cpu_device()
