@@ -77,14 +77,14 @@ class Block:
 
 
 # ---- reading -------------------------------------------------------------------------------------
-def read_text(path: str, flag: str) -> str:
-  """A UTF-8 text file's contents; one-line errors for a folder, a missing or binary file."""
+def read_text(path: str, flag: str, kind: str = 'a JSONL file (one JSON object per line)') -> str:
+  """A UTF-8 text file's contents; one-line errors for a folder, a missing or binary file.
+  kind: what the flag takes, as its errors name it."""
   p = Path(path)
   if p.is_dir():
-    raise FlexjaxError(f'--{flag}={path!r} is a folder; give a JSONL file (one JSON object per '
-                       'line)')
+    raise FlexjaxError(f'--{flag}={path!r} is a folder; give {kind}')
   if not p.is_file():
-    raise FlexjaxError(f'--{flag}={path!r} does not exist; give an existing JSONL file')
+    raise FlexjaxError(f'--{flag}={path!r} does not exist; give {kind}')
   data = p.read_bytes()
   try:
     return data.decode('utf-8')

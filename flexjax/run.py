@@ -95,7 +95,8 @@ def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | 
   with chat, each text prompt is the user's message through the chat template."""
   from flexjax.job import read_text
   p = Path(path)
-  lines = [line for line in read_text(path, 'prompt_file').splitlines() if line.strip()]
+  text = read_text(path, 'prompt_file', 'a text file of prompts, one per line')
+  lines = [line for line in text.splitlines() if line.strip()]
   if not lines:
     raise FlexjaxError(f'--prompt_file={path!r} holds no prompts')
   texts, prompts = [], []
@@ -235,11 +236,26 @@ def check_paths(rc: RunConfig) -> None:
   if rc.output:
     job_lib.check_output(rc.output)
   for flag, value in (('offload_dir', rc.offload_dir), ('weights_cache', rc.weights_cache)):
-    if value and Path(value).exists() and not Path(value).is_dir():
-      raise FlexjaxError(f'--{flag}={value!r} is a file; give a folder')
+    if value:
+      check_folder(flag, value)
   if rc.checkpoint and Path(rc.checkpoint).is_file():
     raise FlexjaxError(f'--checkpoint={rc.checkpoint!r} is a file; give the checkpoint folder '
                        '(tools/convert_hf.py writes one)')
+
+
+def check_folder(flag: str, value: str) -> None:
+  """A folder the run will write into: created where missing (as the run would) and written to
+  once, so that one it cannot use is a one-line error before any work."""
+  folder = Path(value)
+  if folder.exists() and not folder.is_dir():
+    raise FlexjaxError(f'--{flag}={value!r} is a file; give a folder')
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+      pass
+  except OSError as e:
+    raise FlexjaxError(f'--{flag}={value!r} cannot be written ({e.strerror}); give a folder this '
+                       'user can create and write to') from None
 
 
 def setup(rc: RunConfig, wrap=None) -> Setup:

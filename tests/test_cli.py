@@ -179,6 +179,20 @@ def test_inputs_of_the_wrong_kind_are_one_line_errors(pre_ln, tmp_path):
     _one_line_error(run_cli(*ckpt, f'--output={readonly / "out.jsonl"}'), 'cannot be written')
 
 
+def test_a_folder_the_run_cannot_create_is_refused_before_any_work(tmp_path):
+  from flexjax import run as run_lib
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  for flag in ('offload_dir', 'weights_cache'):
+    rc = run_lib.RunConfig(**{flag: str(blocker / 'sub' / 'folder')})
+    with pytest.raises(FlexjaxError, match=f"--{flag}=.*cannot be written") as e:
+      run_lib.check_paths(rc)
+    assert '\n' not in str(e.value)
+  made = tmp_path / 'new' / 'offload'
+  run_lib.check_paths(run_lib.RunConfig(offload_dir=str(made)))
+  assert made.is_dir() and not any(made.iterdir())  # created as the run would, left empty
+
+
 def test_a_damaged_checkpoint_is_one_line_with_nothing_after_it(pre_ln, tmp_path):
   """Damaged weight data, read while the streaming layout is written (every read of the stage
   is waited for, so nothing prints at exit)."""
