@@ -105,3 +105,18 @@ def test_measuring_this_machine_gives_a_profile_the_cost_model_takes(tmp_path):
                                        cache_cpu_percent=100, cpu_attention=True),
                            profile, sizes, prompt_len=16, gen_len=8)
   assert 0 < got.prefill_s < math.inf and 0 < got.decode_s < math.inf
+
+
+def test_profile_hw_refuses_an_output_it_cannot_write_before_measuring(tmp_path):
+  import subprocess
+  import sys
+  from pathlib import Path
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  for output, says in ((blocker / 'x.json', 'cannot be written'), (tmp_path, 'is a folder')):
+    proc = subprocess.run([sys.executable, '-m', 'tools.profile_hw', f'--output={output}'],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith('profile_hw: error: --output=')
+    assert 'measuring' not in proc.stderr and not proc.stdout  # refused before any work
