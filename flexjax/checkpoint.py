@@ -49,6 +49,8 @@ class CheckpointWriter:
     if self.path.exists() and not overwrite:
       raise FlexjaxError(f'output {str(self.path)!r} already exists; choose another path or pass '
                          '--overwrite')
+    # before any stage is read: the folder beside which the checkpoint is written
+    scratch.check_writable(self.path.parent, f'output {str(self.path)!r} (its folder)')
     self._partial: scratch.Claim | None = None
     self._written: list[str] = []
     self._checkpointer = ocp.PyTreeCheckpointer()

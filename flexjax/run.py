@@ -249,19 +249,7 @@ def check_folder(flag: str, value: str) -> None:
   folder = Path(value)
   if folder.exists() and not folder.is_dir():
     raise FlexjaxError(f'--{flag}={value!r} is a file; give a folder')
-  check_writable(folder, f'--{flag}={value!r}')
-
-
-def check_writable(folder: Path, named: str) -> None:
-  """Creates `folder` where missing and writes a file there once; a one-line error naming it
-  (`named`: how the user gave it) where that fails."""
-  try:
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder):
-      pass
-  except OSError as e:
-    raise FlexjaxError(f'{named} cannot be written ({e.strerror}); give a folder this user can '
-                       'create and write to') from None
+  scratch.check_writable(folder, f'--{flag}={value!r}')
 
 
 def setup(rc: RunConfig, wrap=None) -> Setup:

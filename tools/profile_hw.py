@@ -22,13 +22,13 @@ def main(argv):
 
   from flexjax import hardware
   from flexjax import progress as progress_lib
-  from flexjax import run as run_lib
+  from flexjax import scratch
   try:
     output = Path(_OUTPUT.value)
     if output.is_dir():
       raise FlexjaxError(f'--output={_OUTPUT.value!r} is a folder; give the JSON file to write')
     # before the minute of measuring: the profile's folder takes the file
-    run_lib.check_writable(output.parent, f'--output={_OUTPUT.value!r} (its folder)')
+    scratch.check_writable(output.parent, f'--output={_OUTPUT.value!r} (its folder)')
     profile = hardware.measure(scratch_dir=_SCRATCH.value, size_mb=_SIZE.value, quick=_QUICK.value,
                                progress=progress_lib.enabled())
     profile.save(_OUTPUT.value)
