@@ -28,7 +28,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from tqdm import tqdm
 
-from flexjax import diskio
+from flexjax import diskio, scratch
 from flexjax.checkpoint import Checkpoint
 from flexjax.config import DTYPES
 from flexjax.engine import Engine, GenerationConfig
@@ -101,6 +101,10 @@ def options_from_args(args: dict[str, Any]) -> HarnessOptions:
   if options.host_memory not in HOST_MEMORY:
     raise FlexjaxError(f'model_args host_memory={options.host_memory!r} is not one of '
                        f'{", ".join(HOST_MEMORY)}')
+  for key in ('offload_dir', 'weights_cache'):
+    folder = getattr(options, key)
+    if folder:
+      scratch.check_writable(Path(folder), f'model_args {key}={folder!r}')
   return options
 
 

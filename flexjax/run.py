@@ -237,19 +237,10 @@ def check_paths(rc: RunConfig) -> None:
     job_lib.check_output(rc.output)
   for flag, value in (('offload_dir', rc.offload_dir), ('weights_cache', rc.weights_cache)):
     if value:
-      check_folder(flag, value)
+      scratch.check_writable(Path(value), f'--{flag}={value!r}')
   if rc.checkpoint and Path(rc.checkpoint).is_file():
     raise FlexjaxError(f'--checkpoint={rc.checkpoint!r} is a file; give the checkpoint folder '
                        '(tools/convert_hf.py writes one)')
-
-
-def check_folder(flag: str, value: str) -> None:
-  """A folder the run will write into: created where missing (as the run would) and written to
-  once, so that one it cannot use is a one-line error before any work."""
-  folder = Path(value)
-  if folder.exists() and not folder.is_dir():
-    raise FlexjaxError(f'--{flag}={value!r} is a file; give a folder')
-  scratch.check_writable(folder, f'--{flag}={value!r}')
 
 
 def setup(rc: RunConfig, wrap=None) -> Setup:

@@ -184,8 +184,11 @@ def _remove(path: Path) -> None:
 
 
 def check_writable(folder: Path, named: str) -> None:
-  """Creates `folder` where missing and writes a file there once; a one-line error naming it
-  (`named`: how the user gave it) where that fails."""
+  """Creates `folder` where missing (as the writer would) and writes a file there once, so that
+  one that cannot be used is a one-line error naming it (`named`: how the user gave it) before
+  any work."""
+  if folder.exists() and not folder.is_dir():
+    raise FlexjaxError(f'{named} is a file; give a folder')
   found = folder
   while not found.exists() and found != found.parent:
     found = found.parent

@@ -210,6 +210,15 @@ def test_model_args_as_strings_are_typed():
   assert options.budgets == {'device': 2**29, 'host': None, 'disk': None}
 
 
+def test_folders_the_engine_cannot_write_are_refused_with_the_options(tmp_path):
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  for key, value, says in (('offload_dir', blocker, 'is a file'),
+                           ('weights_cache', blocker / 'layouts', 'cannot be written')):
+    with pytest.raises(FlexjaxError, match=f'model_args {key}=.*{says}'):
+      options_from_args({'checkpoint': '/c', key: str(value)})
+
+
 def test_calls_group_longest_first_within_block_and_positions():
   # (prompt, continuation) lengths: 1+9, 5+5, 2+3, 1+1 with 10 positions and blocks of 2.
   rows = [([0] * p, [0] * c) for p, c in ((1, 9), (5, 5), (2, 3), (1, 1))]

@@ -113,7 +113,7 @@ def test_profile_hw_refuses_an_output_it_cannot_write_before_measuring(tmp_path)
   from pathlib import Path
   blocker = tmp_path / 'file'
   blocker.write_text('')
-  for output, says in ((blocker / 'x.json', 'cannot be written'), (tmp_path, 'is a folder')):
+  for output, says in ((blocker / 'sub' / 'x.json', 'cannot be written'), (tmp_path, 'is a folder')):
     proc = subprocess.run([sys.executable, '-m', 'tools.profile_hw', f'--output={output}'],
                           capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parent.parent)
