@@ -4,6 +4,7 @@ executor; the front door of flexjax's runtime (plan -> placement -> mover <-> ex
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 from flexjax import diskio
 from flexjax import hardware
 from flexjax import memwatch
+from flexjax import scratch
 from flexjax import stream as stream_lib
 from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
@@ -171,6 +173,9 @@ class Engine:
     self.steps = self.planner.steps(policy)
     placing = self.planner.weights_plan(policy)
     placing.check(self.budgets)
+    for name, folder in (('offload_dir', offload_dir), ('weights_cache', weights_cache)):
+      if folder:
+        scratch.check_writable(Path(folder), f'{name}={folder!r}')
     self.storage = Storage(self.device, self.budgets, capacities=_capacities(placing),
                            offload_dir=offload_dir, drop_page_cache=drop_page_cache,
                            host_memory=self.host_memory)

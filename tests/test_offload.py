@@ -130,6 +130,14 @@ def test_disk_weights_are_staged_within_the_plan(pre_ln, compress):
   assert 0 < result.staging_bytes <= allowed, (result.staging_bytes, allowed)
 
 
+def test_an_engine_refuses_an_offload_folder_it_cannot_write(pre_ln, tmp_path):
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  with pytest.raises(FlexjaxError, match=r"^offload_dir='.*' cannot be written \('.*file' is a "):
+    Engine(Checkpoint(pre_ln.ckpt_dir), offload_dir=str(blocker / 'offload'))
+  assert [p.name for p in tmp_path.iterdir()] == ['file']
+
+
 def test_too_small_budget_is_refused_before_allocating(pre_ln, tmp_path):
   with pytest.raises(FlexjaxError, match=r'needs [\d.]+ [KM]iB on the device tier but --gpu_mem '
                                          r'allows 9.77 KiB \(short by'):
