@@ -24,6 +24,7 @@ def main(argv) -> int:
   logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no backend probing chatter
   hardware.include_cpu_platform()  # JAX_PLATFORMS=cuda would leave out the CPU backend
   from flexjax.run import run
+  rc = None
   try:
     rc = flags_lib.run_config_from_flags()
     if report_json:
@@ -35,6 +36,12 @@ def main(argv) -> int:
   except FlexjaxError as e:
     print(f'flexjax: error: {e}', file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    # the run's own folders are removed on the way out; a job's synced outputs stay
+    kept = (f'; {rc.output!r} keeps the rows written so far: run the same command again to '
+            'resume') if rc is not None and rc.input and rc.output else ''
+    print(f'flexjax: interrupted{kept}', file=sys.stderr)
+    return 130
   return 0
 
 

@@ -184,9 +184,9 @@ def _remove(path: Path) -> None:
 
 
 def check_writable(folder: Path, named: str) -> None:
-  """Creates `folder` where missing (as the writer would) and writes a file there once, so that
-  one that cannot be used is a one-line error naming it (`named`: how the user gave it) before
-  any work."""
+  """Whether `folder` can be made (where missing) and written to: a file is written once into it,
+  or into its nearest existing parent, where it is missing; nothing is left there. One that
+  cannot is a one-line error naming it (`named`: how the user gave it), before any work."""
   if folder.exists() and not folder.is_dir():
     raise FlexjaxError(f'{named} is a file; give a folder')
   found = folder
@@ -196,8 +196,7 @@ def check_writable(folder: Path, named: str) -> None:
     raise FlexjaxError(f'{named} cannot be written ({str(found)!r} is a file); give a folder this '
                        'user can create and write to')
   try:
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder):
+    with tempfile.TemporaryFile(dir=found):
       pass
   except OSError as e:
     raise FlexjaxError(f'{named} cannot be written ({e.strerror}); give a folder this user can '

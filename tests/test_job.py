@@ -1,5 +1,5 @@
 """Batch jobs (--input/--output): bucketing, per-row parameters, bad rows, and resuming after
-kill -9 with no row lost or written twice."""
+kill -9 or Ctrl-C with no row lost or written twice."""
 
 from __future__ import annotations
 
@@ -155,15 +155,16 @@ def test_a_finished_or_foreign_output_is_never_overwritten(pre_ln, tmp_path):
   assert (tmp_path / 'out.jsonl').read_bytes() == before
 
 
-# ---- kill -9 -------------------------------------------------------------------------------------
+# ---- kill -9, Ctrl-C -----------------------------------------------------------------------------
 def job_command(ckpt, rows: Path, out: Path) -> list[str]:
   return [sys.executable, '-m', 'flexjax.main', '--weights=checkpoint', f'--checkpoint={ckpt}',
           f'--input={rows}', f'--output={out}', '--gpu_batch_size=2', '--noprogress']
 
 
-def run_killed(cmd: list[str], out: Path, after_lines: int | None) -> bool:
-  """Starts the job and kill -9s it once the output has after_lines lines (None: as soon as its
-  progress file exists). Returns whether it was killed before finishing."""
+def run_killed(cmd: list[str], out: Path, after_lines: int | None,
+               sig: int = signal.SIGKILL) -> bool:
+  """Starts the job and sends it `sig` (kill -9) once the output has after_lines lines (None: as
+  soon as its progress file exists). Returns whether it was stopped before finishing."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE)
@@ -172,8 +173,13 @@ def run_killed(cmd: list[str], out: Path, after_lines: int | None) -> bool:
   while proc.poll() is None and time.time() < deadline:
     lines = out.read_bytes().count(b'\n') if out.exists() else 0
     if marker.exists() and (after_lines is None or lines >= after_lines):
-      proc.send_signal(signal.SIGKILL)
-      proc.wait()
+      proc.send_signal(sig)
+      _, err = proc.communicate(timeout=240)
+      if sig == signal.SIGINT:  # Ctrl-C: one line, the run's folders removed on the way out
+        assert proc.returncode == 130, err.decode()[-3000:]
+        assert err.decode().splitlines()[-1] == (
+            f"flexjax: interrupted; {str(out)!r} keeps the rows written so far: run the same "
+            'command again to resume'), err.decode()[-3000:]
       return True
     time.sleep(0.01)
   _, err = proc.communicate(timeout=240)
@@ -197,13 +203,16 @@ def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   out = tmp_path / 'out.jsonl'
   cmd = job_command(pre_ln.ckpt_dir, rows, out) + disk
   kills = 0
-  for after in (None, 1, 6, 11):  # at start-up, after the bad rows, mid-job, near the end
-    killed = run_killed(cmd, out, after)
+  # at start-up, after the bad rows, mid-job (Ctrl-C), near the end
+  for after, sig in ((None, signal.SIGKILL), (1, signal.SIGKILL), (6, signal.SIGINT),
+                     (11, signal.SIGKILL)):
+    killed = run_killed(cmd, out, after, sig)
     kills += killed
     if out.exists():  # what a killed run left is whole lines only up to its progress record
       state = json.loads(out.with_name('out.jsonl.progress').read_text())
       assert expected.startswith(out.read_bytes()[:state['bytes']])
-    assert len(list(offload.iterdir())) <= 1  # each start removed the last killed run's folder
+    # each start removed the last killed run's folder; an interrupted run removed its own
+    assert len(list(offload.iterdir())) <= (1 if sig == signal.SIGKILL else 0)
   assert kills >= 2
   if killed:  # past its 11th line: its KV cache files are still there
     (left,) = offload.iterdir()

