@@ -134,9 +134,10 @@ def _check_stages(n: int) -> None:
   stage starts."""
   from flexjax import pipeline
   from flexjax import run as run_lib
+  from flexjax import stage_run
   from flexjax.job import check_output
   rc = flags_lib.run_config_from_flags()
-  run_lib.check_paths(rc)
+  stage_run.check_config(rc)
   if flags.FLAGS.report_json:
     check_output(flags.FLAGS.report_json, 'report_json')
   source, tokenizer = run_lib.load_weights(rc)

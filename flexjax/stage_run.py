@@ -144,16 +144,22 @@ def _policy_of(template: Policy, row) -> Policy:
                              **{name: row[3 + i] / 1000 for i, name in enumerate(_PERCENTS)})
 
 
+def check_config(rc) -> None:
+  """What a pipeline run refuses, by the launcher before any stage starts and by each stage."""
+  from flexjax import run as run_lib
+  run_lib.check_paths(rc)
+  if rc.input:
+    raise FlexjaxError('--input jobs do not run in a pipeline; give --prompt_file, or run the '
+                       'job with python -m flexjax.main')
+
+
 def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int = 1
               ) -> dict | None:
   """Runs this process's stage of a generation job (jax.distributed is initialized). Returns
   the report on process 0 (every stage's layers, policy, planned and measured peaks), None
   elsewhere."""
   from flexjax import run as run_lib
-  run_lib.check_paths(rc)
-  if rc.input:
-    raise FlexjaxError('--input jobs do not run in a pipeline; give --prompt_file, or run the '
-                       'job with python -m flexjax.main')
+  check_config(rc)
   link = Link(num_processes)
   ranges: list[range] = []
   topology: Topology | None = None

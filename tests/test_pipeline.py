@@ -192,7 +192,8 @@ def test_too_many_stages_is_one_line(four_layers, tmp_path):
 
 @pytest.mark.parametrize('flag, says', [
     ('--prompt_file={tmp}/none.txt', 'does not exist; give a text file of prompts, one per line'),
-    ('--report_json={tmp}/missing/report.json', 'does not exist; create it first')])
+    ('--report_json={tmp}/missing/report.json', 'does not exist; create it first'),
+    ('--input={tmp}/rows.jsonl', '--input jobs do not run in a pipeline')])
 def test_bad_paths_are_one_line_before_any_stage_starts(four_layers, tmp_path, flag, says):
   cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--weights=checkpoint',
          f'--checkpoint={four_layers}', '--gen_len=2', '--noprogress',
