@@ -81,6 +81,29 @@ def test_repeated_names_and_bad_files_are_refused(tmp_path):
     suite.load_suite(str(tmp_path / 'broken.json'))
 
 
+def test_output_files_that_cannot_be_written_are_refused_as_flags_are_parsed(tmp_path):
+  import subprocess
+  import sys
+  from pathlib import Path
+  from absl import flags
+  from tools import benchlib
+  blocker = tmp_path / 'file'
+  blocker.write_text('')
+  for value, says in ((tmp_path, 'a folder; give a file'),
+                      (blocker / 'r.jsonl', 'its folder is a file'),
+                      (blocker / 'sub' / 'r.jsonl', 'its folder cannot be written')):
+    with pytest.raises(flags.ValidationError, match=says):
+      benchlib.writable_file(str(value))
+  assert benchlib.writable_file(str(tmp_path / 'new' / 'r.jsonl')) and benchlib.writable_file(None)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['file']  # the check made nothing
+  # the suite's command line: refused before it measures the machine or runs a case
+  proc = subprocess.run([sys.executable, '-m', 'tools.suite', '--suite=configs/bench/cpu.json',
+                         '--only=frontier-flexjax-4', f'--output={blocker / "r.jsonl"}'],
+                        capture_output=True, text=True, timeout=60,
+                        cwd=Path(__file__).resolve().parent.parent)
+  assert proc.returncode != 0 and 'its folder is a file' in proc.stderr and not proc.stdout
+
+
 def test_shipped_suites_load():
   from pathlib import Path
   files = sorted(Path(__file__).resolve().parent.parent.glob('configs/bench/*.json'))

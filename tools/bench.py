@@ -22,7 +22,7 @@ from absl import app, flags
 
 from flexjax import config as config_lib
 from flexjax.errors import FlexjaxError
-from tools.benchlib import (fmt_number, git_commit, host_peak_rss, jsonl_appender, machine_info,
+from tools.benchlib import (check_output_flags, fmt_number, git_commit, host_peak_rss, jsonl_appender, machine_info,
                             meminfo_bytes, new_run_id, read_records, reset_peak_rss, throughputs,
                             timestamp, versions)
 
@@ -315,4 +315,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  check_output_flags(flags.FLAGS)
   app.run(main)

@@ -159,9 +159,40 @@ def report_error(tool: str, error: Exception) -> int:
   return 2
 
 
+OUTPUT_FLAGS = ('output', 'plot_output')  # the tools' flags naming a file they write
+
+
+def check_output_flags(fv) -> None:
+  """Registers the checks of a tool's output-file flags (OUTPUT_FLAGS, where it has them): a
+  folder, or a file whose folder cannot be made or written, is refused as the flags are parsed,
+  before any work."""
+  from absl import flags
+  for name in OUTPUT_FLAGS:
+    if name in fv:
+      flags.register_validator(name, writable_file, flag_values=fv)
+
+
+def writable_file(value: str | None) -> bool:
+  """Whether `value` names a file that can be written (a flag validator: raises absl's
+  ValidationError with the reason and the fix)."""
+  from absl import flags
+  from flexjax import scratch
+  if not value:
+    return True
+  path = Path(value)
+  if path.is_dir():
+    raise flags.ValidationError('a folder; give a file')  # absl names the flag and value first
+  try:
+    scratch.check_writable(path.parent, 'its folder')
+  except FlexjaxError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
+
+
 def run_tool(define_flags: Callable[[Any], None], run_cli: Callable[[Any], int]) -> None:
   """Defines a tool's flags and runs it with absl (flags are defined only here, so importing a
   tool is free)."""
   from absl import app, flags
   define_flags(flags.FLAGS)
+  check_output_flags(flags.FLAGS)
   app.run(lambda argv: run_cli(flags.FLAGS))

@@ -273,5 +273,7 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
+  from tools import benchlib
   define_flags(flags.FLAGS)
+  benchlib.check_output_flags(flags.FLAGS)
   app.run(main)
