@@ -169,10 +169,13 @@ def run_killed(cmd: list[str], out: Path, after_lines: int | None,
   proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE)
   marker = out.with_name(out.name + '.progress')
+  count = lambda: out.read_bytes().count(b'\n') if out.exists() else 0
+  # Ctrl-C once this run has written a line of its own (its handler is in place by then)
+  before = count() if sig == signal.SIGINT else -1
   deadline = time.time() + 240
   while proc.poll() is None and time.time() < deadline:
-    lines = out.read_bytes().count(b'\n') if out.exists() else 0
-    if marker.exists() and (after_lines is None or lines >= after_lines):
+    lines = count()
+    if marker.exists() and (after_lines is None or lines >= after_lines) and lines > before:
       proc.send_signal(sig)
       _, err = proc.communicate(timeout=240)
       if sig == signal.SIGINT:  # Ctrl-C: one line, the run's folders removed on the way out
