@@ -166,19 +166,19 @@ def run_killed(cmd: list[str], out: Path, after_lines: int | None,
   """Starts the job and sends it `sig` (kill -9) once the output has after_lines lines (None: as
   soon as its progress file exists). Returns whether it was stopped before finishing."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
+  marker = out.with_name(out.name + '.progress')
+  # Ctrl-C goes to a fresh job once it has made its progress file: its handler is in place, and
+  # all of the job is still to run (a signal sent near the end can land as the process exits)
+  assert sig != signal.SIGINT or (after_lines is None and not marker.exists())
   proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE)
-  marker = out.with_name(out.name + '.progress')
-  count = lambda: out.read_bytes().count(b'\n') if out.exists() else 0
-  # Ctrl-C once this run has written a line of its own (its handler is in place by then)
-  before = count() if sig == signal.SIGINT else -1
   deadline = time.time() + 240
   while proc.poll() is None and time.time() < deadline:
-    lines = count()
-    if marker.exists() and (after_lines is None or lines >= after_lines) and lines > before:
+    lines = out.read_bytes().count(b'\n') if out.exists() else 0
+    if marker.exists() and (after_lines is None or lines >= after_lines):
       proc.send_signal(sig)
       _, err = proc.communicate(timeout=240)
-      if sig == signal.SIGINT:  # Ctrl-C: one line, the run's folders removed on the way out
+      if sig == signal.SIGINT:  # one line; the run's folders removed on the way out
         assert proc.returncode == 130, err.decode()[-3000:]
         assert err.decode().splitlines()[-1] == (
             f"flexjax: interrupted; {str(out)!r} keeps the rows written so far: run the same "
@@ -206,9 +206,8 @@ def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   out = tmp_path / 'out.jsonl'
   cmd = job_command(pre_ln.ckpt_dir, rows, out) + disk
   kills = 0
-  # at start-up, after the bad rows (Ctrl-C: well before the job's end, which a signal sent
-  # near it can miss), mid-job, near the end
-  for after, sig in ((None, signal.SIGKILL), (1, signal.SIGINT), (6, signal.SIGKILL),
+  # Ctrl-C at start-up; kill -9 after the bad rows, mid-job, near the end
+  for after, sig in ((None, signal.SIGINT), (1, signal.SIGKILL), (6, signal.SIGKILL),
                      (11, signal.SIGKILL)):
     killed = run_killed(cmd, out, after, sig)
     kills += killed
