@@ -150,6 +150,18 @@ def llama_logits(model, ids, mask) -> np.ndarray:
     return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.numpy()
 
 
+def interruptible(command: list[str]) -> list[str]:
+  """`python -m MODULE ARGS...` as a command whose Ctrl-C raises KeyboardInterrupt also where it
+  starts with SIGINT ignored: a shell's background jobs do (CI's runs among them), and Python
+  keeps an ignored SIGINT, so the child turns it back on before running the module as `-m`
+  would."""
+  python, flag, module, *args = command
+  assert flag == '-m', command
+  return [python, '-c', 'import runpy, signal, sys; '
+          'signal.signal(signal.SIGINT, signal.default_int_handler); '
+          f'sys.argv = {[module, *args]!r}; runpy.run_module({module!r}, run_name="__main__")']
+
+
 def left_pad(prompts: list[list[int]], pad_id: int = 1):
   """Left-padded torch inputs as transformers expects them."""
   s = max(map(len, prompts))

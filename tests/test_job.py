@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import interruptible
 from flexjax import job as job_lib
 from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
@@ -170,8 +171,8 @@ def run_killed(cmd: list[str], out: Path, after_lines: int | None,
   # Ctrl-C goes to a fresh job once it has made its progress file: its handler is in place, and
   # all of the job is still to run (a signal sent near the end can land as the process exits)
   assert sig != signal.SIGINT or (after_lines is None and not marker.exists())
-  proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE)
+  proc = subprocess.Popen(interruptible(cmd) if sig == signal.SIGINT else cmd, env=env, cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 240
   while proc.poll() is None and time.time() < deadline:
     lines = out.read_bytes().count(b'\n') if out.exists() else 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, interruptible
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import BREAKDOWN_PARTS, Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
@@ -168,14 +168,11 @@ def test_disk_weights_are_read_in_place_and_the_offload_dir_is_removed(pre_ln, t
 def test_offload_dir_is_removed_after_sigint(tmp_path):
   offload = tmp_path / 'offload'
   env = dict(os.environ, JAX_PLATFORMS='cpu', FLEXJAX_CACHE=str(tmp_path / 'cache'))
-  args = ['flexjax.main', '--model=opt-125m', '--w_gpu_percent=0', '--w_cpu_percent=0',
-          '--cache_gpu_percent=0', '--cache_cpu_percent=0', f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400', '--gpu_batch_size=2']
-  # A shell's background jobs start with SIGINT ignored, which Python keeps: the child turns
-  # Ctrl-C back into KeyboardInterrupt before running flexjax.main as `python -m` would.
-  launch = ('import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); '
-            f'sys.argv = {args!r}; runpy.run_module("flexjax.main", run_name="__main__")')
+  cmd = [sys.executable, '-m', 'flexjax.main', '--model=opt-125m', '--w_gpu_percent=0',
+         '--w_cpu_percent=0', '--cache_gpu_percent=0', '--cache_cpu_percent=0',
+         f'--offload_dir={offload}', '--prompt_len=64', '--gen_len=400', '--gpu_batch_size=2']
   proc = subprocess.Popen(
-      [sys.executable, '-c', launch], env=env, cwd=Path(__file__).resolve().parents[1],
+      interruptible(cmd), env=env, cwd=Path(__file__).resolve().parents[1],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 120
   while time.time() < deadline and not (offload.is_dir() and any(offload.iterdir())):
