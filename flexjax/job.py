@@ -31,6 +31,7 @@ import numpy as np
 
 from flexjax import memwatch
 from flexjax import progress as progress_lib
+from flexjax import scratch
 from flexjax.config import ModelConfig
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
@@ -246,19 +247,8 @@ def largest_shape(rows: Sequence[Row], *, bucket: bool,
 
 # ---- durable output ------------------------------------------------------------------------------
 def check_output(path: str, flag: str = 'output') -> Path:
-  """An output path, checked before any work: not a folder, its folder exists and is writable."""
-  target = Path(path).absolute()
-  if target.is_dir():
-    raise FlexjaxError(f'--{flag}={path!r} is a folder; give a file path such as '
-                       f'{os.path.join(path, "out.jsonl")!r}')
-  if not target.parent.is_dir():
-    raise FlexjaxError(f'--{flag}={path!r}: folder {str(target.parent)!r} does not exist; create '
-                       'it first')
-  if not os.access(target.parent, os.W_OK | os.X_OK) or (
-      target.exists() and not os.access(target, os.W_OK)):
-    raise FlexjaxError(f'--{flag}={path!r} cannot be written (permission denied); choose a '
-                       'writable location')
-  return target
+  """An output file given as --`flag`, checked before any work (`scratch.check_output_file`)."""
+  return scratch.check_output_file(path, f'--{flag}={path!r}')
 
 
 def write_atomically(path: str | os.PathLike, text: str) -> None:
@@ -272,6 +262,7 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
 
 
 def _replace_file(target: Path, text: str) -> None:
+  target.parent.mkdir(parents=True, exist_ok=True)
   tmp = target.with_name(f'.{target.name}.tmp-{os.getpid()}')
   try:
     with open(tmp, 'w') as f:

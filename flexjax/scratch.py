@@ -183,6 +183,24 @@ def _remove(path: Path) -> None:
       pass
 
 
+def check_output_file(value: str | os.PathLike, named: str = '') -> Path:
+  """The absolute path of an output file a run will write, checked before any work: not a
+  folder; an existing file writable; its folder existing or makeable, and writable (writers make
+  it). Creates nothing. `named`: how the user gave it, for the one-line error ('' where the caller
+  names it already, as an absl flag validator does)."""
+  target = Path(value).absolute()
+  subject = named or 'it'
+  if target.is_dir():
+    raise FlexjaxError(f'{subject} is a folder; give a file path such as '
+                       f'{os.path.join(str(value), "out.jsonl")!r}')
+  if target.exists() and not os.access(target, os.W_OK):
+    raise FlexjaxError(f'{subject} cannot be written (permission denied); choose a writable '
+                       'location')
+  check_writable(target.parent, f'{named + ": " if named else ""}its folder '
+                                f'{str(target.parent)!r}')
+  return target
+
+
 def check_writable(folder: Path, named: str) -> None:
   """Whether `folder` can be made (where missing) and written to: a file is written once into it,
   or into its nearest existing parent, where it is missing; nothing is left there. One that

@@ -96,7 +96,7 @@ def run_cli(*args, cwd=None):
 
 def run_report(tmp_path, *args):
   """main's exit, its printed table and its --report_json."""
-  path = tmp_path / 'report.json'
+  path = tmp_path / 'reports' / 'report.json'  # its folder is made
   path.unlink(missing_ok=True)
   proc = run_cli(*args, f'--report_json={path}')
   assert proc.returncode == 0, proc.stderr
@@ -115,7 +115,7 @@ def test_main_runs_the_default_flagfile_and_writes_outputs(tmp_path):
   assert report['total_tok_s'] > 0
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   assert len(lines) == 3 and all(len(r['output_tokens']) == 3 for r in lines)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ['gen.jsonl', 'report.json']
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['gen.jsonl', 'reports']
 
 
 def test_main_with_a_checkpoint_and_text_prompts(pre_ln, tmp_path):
@@ -167,8 +167,8 @@ def test_inputs_of_the_wrong_kind_are_one_line_errors(pre_ln, tmp_path):
                   'line 2')
   _one_line_error(run_cli(*ckpt, f'--prompt_file={tmp_path}'), str(tmp_path), 'is a folder')
   _one_line_error(run_cli(*ckpt, f'--output={tmp_path}'), 'is a folder')
-  _one_line_error(run_cli(*ckpt, f'--output={tmp_path / "missing" / "out.jsonl"}'),
-                  'does not exist; create it')
+  _one_line_error(run_cli(*ckpt, f'--output={binary / "out.jsonl"}'), 'its folder',
+                  'is a file; give a folder')
   _one_line_error(run_cli(*ckpt, f'--report_json={tmp_path}'), '--report_json', 'is a folder')
   _one_line_error(run_cli('--weights=checkpoint', f'--checkpoint={binary}'), 'is a file')
   _one_line_error(run_cli(f'--hw_profile={tmp_path}', '--dry_run'), 'is a folder')

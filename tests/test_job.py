@@ -53,7 +53,7 @@ def run_job(ckpt, tmp_path, input_path, name='out.jsonl', **kw):
 
 def test_bucketing_pads_less_and_gives_the_same_outputs(pre_ln, tmp_path):
   rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(16))
-  bucketed, by_id = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'b.jsonl')
+  bucketed, by_id = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'new/b.jsonl')  # folder made
   flat, flat_by_id = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'f.jsonl', bucket=False)
   assert by_id.keys() == flat_by_id.keys() and len(by_id) == 16
   for key, record in by_id.items():
@@ -69,7 +69,7 @@ def test_bucketing_pads_less_and_gives_the_same_outputs(pre_ln, tmp_path):
   assert bucketed['padding_efficiency'] == pytest.approx(
       bucketed['useful_tokens'] / bucketed['padded_tokens'], abs=1e-4)
   assert bucketed['actual_tok_s'] < bucketed['padded_tok_s']
-  assert not (tmp_path / 'b.jsonl.progress').exists()  # a complete job leaves no progress file
+  assert not (tmp_path / 'new' / 'b.jsonl.progress').exists()  # a complete job leaves none
 
 
 def test_rows_get_their_own_lengths_seeds_and_stop_strings(pre_ln, tmp_path):
@@ -130,7 +130,7 @@ def test_unusable_paths_are_refused_before_any_work(pre_ln, tmp_path):
            (dict(input=str(binary)), 'not UTF-8 text (byte 16, line 2)'),
            (dict(input=str(tmp_path / 'missing.jsonl')), 'does not exist'),
            (dict(output=str(tmp_path)), 'is a folder'),
-           (dict(output=str(tmp_path / 'no' / 'out.jsonl')), 'does not exist; create it'),
+           (dict(output=str(rows / 'out.jsonl')), 'is a file; give a folder'),
            (dict(checkpoint=str(rows)), 'is a file; give the checkpoint folder')]
   for change, needle in cases:
     kw = dict(model=None, weights='checkpoint', checkpoint=str(pre_ln.ckpt_dir),

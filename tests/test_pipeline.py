@@ -39,7 +39,7 @@ def launch(ckpt: Path, tmp_path: Path, n: int, *extra: str, gen_len: int = 6):
   prompts = tmp_path / 'prompts.jsonl'
   prompts.write_text(''.join(json.dumps({'tokens': p}) + '\n' for p in PROMPTS))
   out = tmp_path / f'out-{n}.jsonl'
-  report = tmp_path / f'report-{n}.json'
+  report = tmp_path / 'reports' / f'report-{n}.json'  # its folder is made
   cmd = [sys.executable, '-m', 'flexjax.launch', f'--num_processes={n}', '--weights=checkpoint',
          f'--checkpoint={ckpt}', f'--prompt_file={prompts}', f'--gen_len={gen_len}',
          '--gpu_batch_size=2', '--num_gpu_batches=2', '--noprogress', f'--output={out}',
@@ -192,9 +192,10 @@ def test_too_many_stages_is_one_line(four_layers, tmp_path):
 
 @pytest.mark.parametrize('flag, says', [
     ('--prompt_file={tmp}/none.txt', 'does not exist; give a text file of prompts, one per line'),
-    ('--report_json={tmp}/missing/report.json', 'does not exist; create it first'),
+    ('--report_json={tmp}/file/report.json', 'is a file; give a folder'),
     ('--input={tmp}/rows.jsonl', '--input jobs do not run in a pipeline')])
 def test_bad_paths_are_one_line_before_any_stage_starts(four_layers, tmp_path, flag, says):
+  (tmp_path / 'file').write_text('')
   cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--weights=checkpoint',
          f'--checkpoint={four_layers}', '--gen_len=2', '--noprogress',
          flag.format(tmp=tmp_path)]

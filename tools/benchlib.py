@@ -174,18 +174,14 @@ def check_output_flags(fv) -> None:
 
 def writable_file(value: str | None) -> bool:
   """Whether `value` names a file that can be written (a flag validator: raises absl's
-  ValidationError with the reason and the fix)."""
+  ValidationError with the reason and the fix; absl names the flag and value first)."""
   from absl import flags
   from flexjax import scratch
-  if not value:
-    return True
-  path = Path(value)
-  if path.is_dir():
-    raise flags.ValidationError('a folder; give a file')  # absl names the flag and value first
-  try:
-    scratch.check_writable(path.parent, 'its folder')
-  except FlexjaxError as e:
-    raise flags.ValidationError(str(e)) from None
+  if value:
+    try:
+      scratch.check_output_file(value)
+    except FlexjaxError as e:
+      raise flags.ValidationError(str(e)) from None
   return True
 
 

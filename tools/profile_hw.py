@@ -18,17 +18,9 @@ _QUICK = flags.DEFINE_bool('quick', False, 'Fewer matmul sizes.')
 
 def main(argv):
   del argv
-  from pathlib import Path
-
   from flexjax import hardware
   from flexjax import progress as progress_lib
-  from flexjax import scratch
   try:
-    output = Path(_OUTPUT.value)
-    if output.is_dir():
-      raise FlexjaxError(f'--output={_OUTPUT.value!r} is a folder; give the JSON file to write')
-    # before the minute of measuring: the profile's folder takes the file
-    scratch.check_writable(output.parent, f'--output={_OUTPUT.value!r} (its folder)')
     profile = hardware.measure(scratch_dir=_SCRATCH.value, size_mb=_SIZE.value, quick=_QUICK.value,
                                progress=progress_lib.enabled())
     profile.save(_OUTPUT.value)
@@ -40,4 +32,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  from tools import benchlib
+  benchlib.check_output_flags(flags.FLAGS)  # --output refused as flags are parsed, not after
+  app.run(main)                             # the minute of measuring
