@@ -746,7 +746,8 @@ class Planner:
       self.scale = self.sizes.compute / 4
     self.overhead = overhead
     self._steps: dict[tuple, Any] = {}
-    self._working: dict[tuple, dict] = {}
+    self._working: dict[tuple, dict] = {}  # XLA's bytes, measured by compiling the steps
+    self._compiled: set[tuple] = set()  # geometries of _working whose executables are live
     self._compiled_rest: set[tuple] = set()  # runs whose compile_run is done
 
   @classmethod
@@ -790,13 +791,13 @@ class Planner:
     """Frees every executable compiled so far, this planner's and jax's caches alike: the
     search compiles the steps of many candidates, which would otherwise stay in the process's
     memory through the run, outside its plan (SmolLM2's search left 310 MB, 96 MB once freed
-    and trimmed). Later plans and runs compile what they need again (Engine's warm-up,
-    `compile_run`)."""
+    and trimmed). The bytes measured stay: later plans reuse them without compiling; a run
+    compiles what it calls again (Engine's warm-up, `compile_run`)."""
     import gc
 
     from flexjax.memwatch import return_free_memory
     self._steps.clear()
-    self._working.clear()
+    self._compiled.clear()
     self._compiled_rest.clear()
     jax.clear_caches()
     gc.collect()
@@ -809,9 +810,10 @@ class Planner:
 
   def working(self, policy: Policy, *, rows: int, device_rows: int, cpu_attention: bool,
               prompt_len: int, gen_len: int, temperature: float = 0.0,
-              top_p: float = 1.0) -> dict:
-    """XLA bytes per step kind at these shapes (compiled once per planner; the compiled steps
-    are the run's warm-up, see steps.Steps.working_memory)."""
+              top_p: float = 1.0, compile: bool = False) -> dict:
+    """XLA bytes per step kind at these shapes, measured once per planner by compiling the
+    steps (steps.Steps.working_memory). `compile`: the run's warm-up, whose executables must be
+    live: compiled again where `release_compiled` freed them."""
     from flexjax.steps import Geometry
     totals = weight_totals(self.cfg, policy, self.sizes)
     largest_tensor = None
@@ -823,7 +825,7 @@ class Planner:
                     prompt_len=prompt_len, total_len=prompt_len + gen_len - 1)
     key = (_approximations(policy), geom, temperature, top_p, totals.largest_load,
            largest_tensor)
-    if key not in self._working:
+    if key not in self._working or compile and key not in self._compiled:
       working = self.steps(policy).working_memory(
           params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes(),
                              prompt_ids=rows * prompt_len, step_ids=rows * prompt_len),
@@ -832,6 +834,7 @@ class Planner:
       if not self.library_runs:  # XLA:CPU's library fusions do not run on the target
         working = {k: dataclasses.replace(v, library=0) for k, v in working.items()}
       self._working[key] = {k: v.scaled(self.scale) for k, v in working.items()}
+      self._compiled.add(key)
     return self._working[key]
 
   def compile_run(self, policy: Policy, *, prompt_len: int, gen_len: int,
@@ -842,7 +845,7 @@ class Planner:
     it loads."""
     self.working(policy, rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
                  cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
-                 temperature=temperature, top_p=top_p)
+                 temperature=temperature, top_p=top_p, compile=True)
     loads = tuple(sorted({((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
                            slot.shape[-1])
                           for stage in distinct_stages(self.cfg)

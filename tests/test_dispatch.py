@@ -130,3 +130,35 @@ def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
     finally:
       monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
+
+
+def test_plans_after_the_search_compile_nothing_and_the_warm_up_compiles_again(tmp_path):
+  """The search frees the executables it compiled (plan.Planner.release_compiled) but keeps
+  the bytes it measured: planning the chosen policy again compiles nothing; the run's warm-up
+  compiles its steps again, and the run itself nothing."""
+  from flexjax import plan as plan_lib
+  cfg = ModelConfig(name='released', num_layers=2, hidden_size=112, num_heads=4, ffn_dim=96,
+                    vocab_size=310, max_positions=64)
+  prompts = [[2] + list(range(10, 10 + n)) for n in (6, 3, 5, 2, 7, 4, 6, 1)]
+  gen = GenerationConfig(gen_len=4, stop_at_eos=False)
+  policy = Policy(gpu_batch_size=4, num_gpu_batches=2)
+  width = max(map(len, prompts))
+  planner = plan_lib.Planner.for_device(cfg, jax.local_devices()[0], storage_dtype='float32',
+                                        compute_dtype='float32')
+  planned = planner.plan(policy, prompt_len=width, gen_len=gen.gen_len)
+  planner.release_compiled()  # as the search ends
+  compiles = []
+  listener = lambda event, seconds, **kw: compiles.append(event) if event == COMPILE_EVENT else None
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    assert planner.plan(policy, prompt_len=width, gen_len=gen.gen_len) == planned
+    assert compiles == []
+    with Engine(DummyWeights(cfg, 'float32'), policy=policy, compute_dtype='float32',
+                planner=planner, offload_dir=str(tmp_path)) as engine:
+      engine.planner.compile_run(policy, prompt_len=width, gen_len=gen.gen_len)
+      assert compiles, 'the warm-up found executables the planner had freed'
+      compiles.clear()
+      engine.generate(prompts, gen)
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
