@@ -88,8 +88,12 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_bool('drop_page_cache', False, 'Drop offloaded files from the OS page cache after '
                     'each access, so disk reads are real (benchmarks).', **f)
   flags.DEFINE_string('weights_cache', None, 'Folder for the streaming weight layouts of dummy '
-                      'weights and read-only checkpoints (default: $FLEXJAX_CACHE, else '
-                      '~/.cache/flexjax).', **f)
+                      'weights and read-only checkpoints, and for the compile cache (default: '
+                      '$FLEXJAX_CACHE, else ~/.cache/flexjax).', **f)
+  flags.DEFINE_bool('compile_cache', True, 'Keep XLA\'s compiled steps across runs (jax\'s '
+                    'persistent compilation cache, in xla-HOST under --weights_cache\'s folder, '
+                    'at most 2 GiB; JAX_COMPILATION_CACHE_DIR overrides it): a later run of the '
+                    'same model searches its policy and warms up without compiling again.', **f)
   flags.DEFINE_integer('io_threads', IO_THREADS, 'Threads reading weights from disk.',
                        lower_bound=1, upper_bound=16, **f)
   flags.DEFINE_enum('host_memory', 'auto', list(HOST_MEMORY), 'Where host-tier weights live: '

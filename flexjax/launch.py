@@ -149,6 +149,7 @@ def _check_stages(n: int) -> None:
 def run_stage_process(fv) -> int:
   """One stage: joins the distributed runtime, runs, and (process 0) prints the report."""
   import jax
+  from flexjax import run as run_lib
   from flexjax import stage_run
   from flexjax.job import check_output, write_atomically
   from flexjax.main import table
@@ -158,6 +159,7 @@ def run_stage_process(fv) -> int:
     rc = flags_lib.run_config_from_flags()
     if fv.report_json:
       check_output(fv.report_json, 'report_json')
+    run_lib.use_compile_cache(fv.compile_cache, rc.weights_cache)  # before anything compiles
     jax.distributed.initialize(coordinator_address=fv.coordinator,
                                num_processes=fv.num_processes, process_id=fv.process_id,
                                initialization_timeout=fv.stage_timeout,

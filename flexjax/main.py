@@ -23,12 +23,13 @@ def main(argv) -> int:
   flags_lib.quiet_library_logs()
   logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no backend probing chatter
   hardware.include_cpu_platform()  # JAX_PLATFORMS=cuda would leave out the CPU backend
-  from flexjax.run import run
+  from flexjax.run import run, use_compile_cache
   rc = None
   try:
     rc = flags_lib.run_config_from_flags()
     if report_json:
       check_output(report_json, 'report_json')
+    use_compile_cache(flags.FLAGS.compile_cache, rc.weights_cache)  # before anything compiles
     result = run(rc)
     print(table(result))
     if report_json:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from flexjax import config as config_lib
-from flexjax import cost_model, diskio, hardware, scratch, search
+from flexjax import cost_model, diskio, hardware, scratch, search, stream
 from flexjax import progress as progress_lib
 from flexjax import plan as plan_lib
 from flexjax.memwatch import MemoryWatch
@@ -25,6 +26,9 @@ from flexjax.hardware import HardwareProfile
 from flexjax.policy import Policy
 from flexjax.tokenizer import Tokenizer
 from flexjax.weights import DummyWeights, WeightSource
+
+COMPILE_CACHE_BYTES = 2 << 30  # the compile cache's bound: jax drops the least recently used
+COMPILE_CACHE_MIN_SECONDS = 0.25  # compiles faster than this are not kept (reading one costs ~)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +245,37 @@ def check_paths(rc: RunConfig) -> None:
   if rc.checkpoint and Path(rc.checkpoint).is_file():
     raise FlexjaxError(f'--checkpoint={rc.checkpoint!r} is a file; give the checkpoint folder '
                        '(tools/convert_hf.py writes one)')
+
+
+def use_compile_cache(enabled: bool, cache_dir: str | None = None) -> Path | None:
+  """Keeps XLA's executables across runs (jax's persistent compilation cache) in a folder of
+  this host's under the flexjax cache (`cache_dir`: --weights_cache, else
+  stream.default_cache_dir), bounded to
+  COMPILE_CACHE_BYTES: the policy search and the warm-up of a later run of the same model load
+  them instead of compiling. A process setting (the command line's, `--compile_cache`): it
+  must come before the process's first compile (jax decides then). Off where not `enabled`,
+  where the user set jax's own (JAX_COMPILATION_CACHE_DIR), or where the folder cannot be
+  written (a run without it compiles as before). Executables XLA cannot serialize (those with
+  oneDNN fusions: float32 prompt steps of LIBRARY_ROWS rows or more) are compiled each run, and
+  jax's warning about each is not shown. Returns the folder used."""
+  import warnings
+
+  import jax
+  if not enabled or jax.config.jax_compilation_cache_dir:
+    return None
+  folder = Path(cache_dir or stream.default_cache_dir()) / f'xla-{socket.gethostname()}'
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+      pass
+  except OSError:
+    return None
+  jax.config.update('jax_compilation_cache_dir', str(folder))
+  jax.config.update('jax_compilation_cache_max_size', COMPILE_CACHE_BYTES)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', COMPILE_CACHE_MIN_SECONDS)
+  warnings.filterwarnings('ignore', 'Error writing persistent compilation cache entry',
+                          UserWarning)
+  return folder
 
 
 def setup(rc: RunConfig, wrap=None) -> Setup:

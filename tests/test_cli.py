@@ -118,6 +118,34 @@ def test_main_runs_the_default_flagfile_and_writes_outputs(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ['gen.jsonl', 'reports']
 
 
+def test_a_second_run_loads_its_compiled_steps_from_the_compile_cache(tmp_path):
+  """--compile_cache (the default) keeps XLA's executables in the flexjax cache folder: a
+  second run of the same model compiles its steps no more (jax's log of cache hits, asked for
+  with JAX_LOG_COMPILES) and generates the same tokens; --nocompile_cache keeps nothing."""
+  def generate(cache, *extra):
+    out = tmp_path / f'{cache}-{len(list(tmp_path.glob("*.jsonl")))}.jsonl'
+    env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_LOG_COMPILES='1',
+               FLEXJAX_CACHE=str(tmp_path / cache))
+    env.pop('JAX_COMPILATION_CACHE_DIR', None)
+    proc = subprocess.run([sys.executable, '-m', 'flexjax.main', '--model=opt-125m',
+                           '--weights=dummy', '--prompt_len=8', '--gen_len=3', '--num_prompts=2',
+                           '--gpu_batch_size=2', '--noprogress', '--verbosity=0',
+                           f'--output={out}', *extra],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hits = re.findall(r"Persistent compilation cache hit for '(\w+)'", proc.stderr)
+    return hits, [json.loads(line)['output_tokens'] for line in out.read_text().splitlines()]
+
+  first_hits, first = generate('on')
+  kept = list((tmp_path / 'on').glob('xla-*/*-cache'))
+  assert not first_hits and kept
+  second_hits, second = generate('on')
+  assert {'jit_prefill_layer', 'jit_decode_layer'} <= set(second_hits), second_hits
+  assert second == first
+  off_hits, off = generate('off', '--nocompile_cache')
+  assert not off_hits and off == first and not list((tmp_path / 'off').glob('xla-*'))
+
+
 def test_main_with_a_checkpoint_and_text_prompts(pre_ln, tmp_path):
   prompts = tmp_path / 'prompts.txt'
   prompts.write_text('Paris is the capital\nThe quick brown fox jumps\n')
