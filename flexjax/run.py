@@ -28,7 +28,7 @@ from flexjax.tokenizer import Tokenizer
 from flexjax.weights import DummyWeights, WeightSource
 
 COMPILE_CACHE_BYTES = 2 << 30  # the compile cache's bound: jax drops the least recently used
-COMPILE_CACHE_MIN_SECONDS = 0.25  # compiles faster than this are not kept (reading one costs ~)
+COMPILE_CACHE_MIN_SECONDS = 0.25  # faster compiles are not kept: reading them back saves little
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,16 +248,15 @@ def check_paths(rc: RunConfig) -> None:
 
 
 def use_compile_cache(enabled: bool, cache_dir: str | None = None) -> Path | None:
-  """Keeps XLA's executables across runs (jax's persistent compilation cache) in a folder of
-  this host's under the flexjax cache (`cache_dir`: --weights_cache, else
-  stream.default_cache_dir), bounded to
-  COMPILE_CACHE_BYTES: the policy search and the warm-up of a later run of the same model load
-  them instead of compiling. A process setting (the command line's, `--compile_cache`): it
-  must come before the process's first compile (jax decides then). Off where not `enabled`,
-  where the user set jax's own (JAX_COMPILATION_CACHE_DIR), or where the folder cannot be
-  written (a run without it compiles as before). Executables XLA cannot serialize (those with
-  oneDNN fusions: float32 prompt steps of LIBRARY_ROWS rows or more) are compiled each run, and
-  jax's warning about each is not shown. Returns the folder used."""
+  """Keeps XLA's executables across runs (jax's persistent compilation cache), bounded to
+  COMPILE_CACHE_BYTES, in a folder of this host's under the flexjax cache (`cache_dir`:
+  --weights_cache, else stream.default_cache_dir): the policy search and the warm-up of a later
+  run of the same model load them instead of compiling. A process setting (the command line's,
+  `--compile_cache`): it must come before the process's first compile (jax decides then). Off
+  where not `enabled`, where the user set jax's own (JAX_COMPILATION_CACHE_DIR), or where the
+  folder cannot be written (a run without it compiles as before). Executables XLA cannot
+  serialize (with oneDNN fusions: float32 prompt steps of linear.LIBRARY_ROWS rows or more)
+  are compiled in each run, and jax's warning about each is not shown. Returns the folder."""
   import warnings
 
   import jax
@@ -265,10 +264,8 @@ def use_compile_cache(enabled: bool, cache_dir: str | None = None) -> Path | Non
     return None
   folder = Path(cache_dir or stream.default_cache_dir()) / f'xla-{socket.gethostname()}'
   try:
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=folder):
-      pass
-  except OSError:
+    scratch.check_writable(folder, str(folder))
+  except FlexjaxError:
     return None
   jax.config.update('jax_compilation_cache_dir', str(folder))
   jax.config.update('jax_compilation_cache_max_size', COMPILE_CACHE_BYTES)
