@@ -62,6 +62,7 @@ class HarnessOptions:
   max_gen_toks: int = 256  # generate_until's default when a task names none (lm-eval's hf: 256)
   add_bos_token: bool = True  # OPT was trained with BOS first, as lm-eval's hf model encodes it
   seed: int = 0  # sampling seed of generate_until with do_sample
+  compile_cache: bool = True  # python -m flexjax.evalharness: run.use_compile_cache
 
   @property
   def budgets(self) -> dict[str, int | None]:
@@ -379,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   from lm_eval.utils import setup_logging
 
   from flexjax import hardware
+  from flexjax import run as run_lib
 
   hardware.include_cpu_platform()  # JAX_PLATFORMS=cuda would leave out the CPU backend
   sys.argv = ['lm-eval', *(sys.argv[1:] if argv is None else argv)]  # lm-eval parses sys.argv
@@ -387,7 +389,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = cli.parse_args()
   try:
     if getattr(args, 'model', None) == 'flexjax':
-      options_from_args(args.model_args or {})
+      options = options_from_args(args.model_args or {})
+      # a process setting, so the command line's (lm-eval's own CLI leaves jax's as they are)
+      run_lib.use_compile_cache(options.compile_cache, options.weights_cache)
     cli.execute(args)
   except FlexjaxError as e:
     print(f'flexjax: error: {e}', file=sys.stderr)

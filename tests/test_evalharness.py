@@ -149,9 +149,10 @@ def test_cli_wrapper_runs_lm_eval(pre_ln, tasks_dir, tmp_path):
              'w_cpu_percent=50', '--tasks', 'fj_choice', '--include_path', str(tasks_dir),
              '--limit', '2']
   proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                        env={**os.environ, **OFFLINE})
+                        env={**os.environ, **OFFLINE, 'FLEXJAX_CACHE': str(tmp_path / 'cache')})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'fj_choice' in proc.stdout and 'acc_norm' in proc.stdout, proc.stdout
+  assert list((tmp_path / 'cache').glob('xla-*/*-cache'))  # compiled steps kept for the next
 
 
 def test_cli_bad_model_arg_is_one_line(pre_ln, tasks_dir, monkeypatch, capsys):
