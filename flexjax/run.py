@@ -253,14 +253,19 @@ def use_compile_cache(enabled: bool, cache_dir: str | None = None) -> Path | Non
   --weights_cache, else stream.default_cache_dir): the policy search and the warm-up of a later
   run of the same model load them instead of compiling. A process setting (the command line's,
   `--compile_cache`): it must come before the process's first compile (jax decides then). Off
-  where not `enabled`, where the user set jax's own (JAX_COMPILATION_CACHE_DIR), or where the
-  folder cannot be written (a run without it compiles as before). Executables XLA cannot
-  serialize (with oneDNN fusions: float32 prompt steps of linear.LIBRARY_ROWS rows or more)
-  are compiled in each run, and jax's warning about each is not shown. Returns the folder."""
+  where not `enabled`, or where the folder cannot be written (a run without it compiles as
+  before); where the user set jax's own (JAX_COMPILATION_CACHE_DIR), that one is used as set.
+  Executables XLA cannot serialize (with oneDNN fusions: float32 prompt steps of
+  linear.LIBRARY_ROWS rows or more) are compiled in each run, and jax's warning about each is
+  not shown. Returns the folder flexjax chose (None where off or the user's)."""
   import warnings
 
   import jax
-  if not enabled or jax.config.jax_compilation_cache_dir:
+  if not enabled:
+    return None
+  warnings.filterwarnings('ignore', 'Error writing persistent compilation cache entry',
+                          UserWarning)
+  if jax.config.jax_compilation_cache_dir:
     return None
   folder = Path(cache_dir or stream.default_cache_dir()) / f'xla-{socket.gethostname()}'
   try:
@@ -270,8 +275,6 @@ def use_compile_cache(enabled: bool, cache_dir: str | None = None) -> Path | Non
   jax.config.update('jax_compilation_cache_dir', str(folder))
   jax.config.update('jax_compilation_cache_max_size', COMPILE_CACHE_BYTES)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', COMPILE_CACHE_MIN_SECONDS)
-  warnings.filterwarnings('ignore', 'Error writing persistent compilation cache entry',
-                          UserWarning)
   return folder
 
 

@@ -4,6 +4,9 @@ test fixtures."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +30,42 @@ TINY_SHAPES = {
     'odd_heads': dict(hidden_size=40, num_attention_heads=5, ffn_dim=72, num_hidden_layers=3,
                       vocab_size=997),
 }
+
+
+# jax's persistent compilation cache for the whole test session, every process the tests start
+# and each xdist worker included: the tiny models' steps compile once per session instead of
+# once per test. Every entry is kept (no minimum compile time); the size bound turns on jax's
+# file lock, so workers never read each other's half-written entries. Tests of compiles and of
+# flexjax's own cache (--compile_cache) take it out of their processes' environment.
+_COMPILE_CACHE_KEY = pytest.StashKey[str]()
+TEST_COMPILE_CACHE = {'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+                      'JAX_COMPILATION_CACHE_MAX_SIZE': str(8 << 30)}
+
+
+def pytest_configure(config):
+  if not hasattr(config, 'workerinput') and 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+    folder = tempfile.mkdtemp(prefix='flexjax-tests-xla-')
+    config.stash[_COMPILE_CACHE_KEY] = folder  # the process that made it removes it
+    os.environ.update(TEST_COMPILE_CACHE, JAX_COMPILATION_CACHE_DIR=folder)
+  if os.environ.get('JAX_COMPILATION_CACHE_DIR'):  # this process: jax read its settings already
+    import jax
+    jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
+    jax.config.update('jax_persistent_cache_min_compile_time_secs',
+                      float(os.environ.get('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', 1)))
+    jax.config.update('jax_compilation_cache_max_size',
+                      int(os.environ.get('JAX_COMPILATION_CACHE_MAX_SIZE', -1)))
+
+
+def pytest_unconfigure(config):
+  folder = config.stash.get(_COMPILE_CACHE_KEY, None)
+  if folder:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def without_test_compile_cache(env: dict[str, str]) -> dict[str, str]:
+  """A process environment without the session's compilation cache (jax's own settings)."""
+  return {k: v for k, v in env.items()
+          if k != 'JAX_COMPILATION_CACHE_DIR' and k not in TEST_COMPILE_CACHE}
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ placements; closeness to fp32 is a stated bound on random tiny models (their wor
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,10 +28,12 @@ class DequantizedWeights:
     self.config, self.dtype = ckpt.config, ckpt.dtype
 
   def read(self, stage):
+    @jax.jit
+    def dequantized(a):  # one compile per shape, not one per operation
+      return dequantize(quantize(a, self.quant), a.shape[-1], self.quant)
+
     def roundtrip(a):
-      if a.ndim < 2:
-        return a
-      return np.asarray(dequantize(quantize(jnp.asarray(a), self.quant), a.shape[-1], self.quant))
+      return a if a.ndim < 2 else np.asarray(dequantized(jnp.asarray(a)))
     flat = params_lib.flatten(self.ckpt.read(stage))
     return params_lib.unflatten({k: roundtrip(v) for k, v in flat.items()})
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from absl import flags
 
+from conftest import without_test_compile_cache
 from flexjax import flags as flags_lib
 from flexjax.config import PRESETS, preset
 from flexjax.errors import FlexjaxError
@@ -124,9 +125,8 @@ def test_a_second_run_loads_its_compiled_steps_from_the_compile_cache(tmp_path):
   with JAX_LOG_COMPILES) and generates the same tokens; --nocompile_cache keeps nothing."""
   def generate(cache, *extra):
     out = tmp_path / f'{cache}-{len(list(tmp_path.glob("*.jsonl")))}.jsonl'
-    env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_LOG_COMPILES='1',
-               FLEXJAX_CACHE=str(tmp_path / cache))
-    env.pop('JAX_COMPILATION_CACHE_DIR', None)
+    env = dict(without_test_compile_cache(os.environ), JAX_PLATFORMS='cpu',
+               JAX_LOG_COMPILES='1', FLEXJAX_CACHE=str(tmp_path / cache))
     proc = subprocess.run([sys.executable, '-m', 'flexjax.main', '--model=opt-125m',
                            '--weights=dummy', '--prompt_len=8', '--gen_len=3', '--num_prompts=2',
                            '--gpu_batch_size=2', '--noprogress', '--verbosity=0',

@@ -2,6 +2,7 @@
 (counted by jax's profiler: at most three in every placement, one where every cache row is on the
 device), and no compilation once the run is planned (the plan's compile is the warm-up)."""
 
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -94,8 +95,25 @@ def test_decode_executions_per_layer(name):
   assert per_layer <= most
 
 
-# jax's event for one XLA compilation (recorded by jax's dispatch for jit calls and AOT alike).
+# jax's events for one executable built: an XLA compilation (recorded by jax's dispatch for jit
+# calls and AOT alike), or one loaded from the persistent compilation cache instead.
 COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
+CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'
+
+
+@contextlib.contextmanager
+def executables_built():
+  """The list of executables jax builds (compiles or loads from its cache) within."""
+  built = []
+  on_compile = lambda event, seconds, **kw: built.append(event) if event == COMPILE_EVENT else None
+  on_event = lambda event, **kw: built.append(event) if event == CACHE_HIT_EVENT else None
+  monitoring.register_event_duration_secs_listener(on_compile)
+  monitoring.register_event_listener(on_event)
+  try:
+    yield built
+  finally:
+    monitoring.unregister_event_duration_listener(on_compile)
+    monitoring.unregister_event_listener(on_event)
 
 COMPILED_POLICIES = {
     'all_device': Policy(gpu_batch_size=4, num_gpu_batches=2),
@@ -117,18 +135,13 @@ def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
                     num_heads=4, ffn_dim=96, vocab_size=300 + index, max_positions=64)
   prompts = [[2] + list(range(10, 10 + n)) for n in (6, 3, 5, 2, 7, 4, 6, 1)]
   gen = GenerationConfig(gen_len=4, temperature=0.7, top_p=0.9, stop_at_eos=False)
-  compiles = []
-  listener = lambda event, seconds, **kw: compiles.append(event) if event == COMPILE_EVENT else None
   with Engine(DummyWeights(cfg, 'float32'), policy=COMPILED_POLICIES[name],
               offload_dir=str(tmp_path)) as engine:
     engine.planner.compile_run(engine.policy, prompt_len=max(map(len, prompts)),
                                gen_len=gen.gen_len, temperature=gen.temperature,
                                top_p=gen.top_p)  # what generate() does first
-    monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with executables_built() as compiles:
       engine.generate(prompts, gen)
-    finally:
-      monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
 
 
@@ -147,10 +160,7 @@ def test_plans_after_the_search_compile_nothing_and_the_warm_up_compiles_again(t
                                         compute_dtype='float32')
   planned = planner.plan(policy, prompt_len=width, gen_len=gen.gen_len)
   planner.release_compiled()  # as the search ends
-  compiles = []
-  listener = lambda event, seconds, **kw: compiles.append(event) if event == COMPILE_EVENT else None
-  monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with executables_built() as compiles:
     assert planner.plan(policy, prompt_len=width, gen_len=gen.gen_len) == planned
     assert compiles == []
     with Engine(DummyWeights(cfg, 'float32'), policy=policy, compute_dtype='float32',
@@ -159,6 +169,4 @@ def test_plans_after_the_search_compile_nothing_and_the_warm_up_compiles_again(t
       assert compiles, 'the warm-up found executables the planner had freed'
       compiles.clear()
       engine.generate(prompts, gen)
-  finally:
-    monitoring.unregister_event_duration_listener(listener)
   assert compiles == []

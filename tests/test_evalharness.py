@@ -15,6 +15,7 @@ lm_eval = pytest.importorskip('lm_eval')
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from conftest import without_test_compile_cache  # noqa: E402
 from flexjax.errors import FlexjaxError  # noqa: E402
 from flexjax.evalharness import FlexjaxLM, _calls, main, options_from_args  # noqa: E402
 
@@ -149,7 +150,8 @@ def test_cli_wrapper_runs_lm_eval(pre_ln, tasks_dir, tmp_path):
              'w_cpu_percent=50', '--tasks', 'fj_choice', '--include_path', str(tasks_dir),
              '--limit', '2']
   proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                        env={**os.environ, **OFFLINE, 'FLEXJAX_CACHE': str(tmp_path / 'cache')})
+                        env={**without_test_compile_cache(os.environ), **OFFLINE,
+                             'FLEXJAX_CACHE': str(tmp_path / 'cache')})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'fj_choice' in proc.stdout and 'acc_norm' in proc.stdout, proc.stdout
   assert list((tmp_path / 'cache').glob('xla-*/*-cache'))  # compiled steps kept for the next
