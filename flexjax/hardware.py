@@ -96,12 +96,7 @@ class HardwareProfile:
                          'again') from None
 
   def save(self, path: str | os.PathLike) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f'.{target.name}.', dir=target.parent)
-    with os.fdopen(fd, 'w') as f:
-      f.write(self.to_json())
-    os.replace(tmp, target)
+    scratch.replace_file(Path(path), self.to_json())
 
 
 def _interpolate(table: dict[int, float], rows: int) -> float:

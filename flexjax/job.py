@@ -255,23 +255,10 @@ def write_atomically(path: str | os.PathLike, text: str) -> None:
   """Writes a file whole or not at all: a temporary file in the same folder, synced, renamed.
   A failed write (a full disk) is a one-line error; the file is left as it was."""
   try:
-    _replace_file(Path(path).absolute(), text)
+    scratch.replace_file(Path(path).absolute(), text)
   except OSError as e:
     raise FlexjaxError(f'cannot write {str(path)!r} ({e.strerror}); it was left as it was: free '
                        'space there or choose another path') from None
-
-
-def _replace_file(target: Path, text: str) -> None:
-  target.parent.mkdir(parents=True, exist_ok=True)
-  tmp = target.with_name(f'.{target.name}.tmp-{os.getpid()}')
-  try:
-    with open(tmp, 'w') as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, target)
-  finally:
-    tmp.unlink(missing_ok=True)
 
 
 class JobOutput:
@@ -365,7 +352,7 @@ class JobOutput:
   def _save_marker(self) -> None:
     state = {'format': FORMAT, 'job': self.job, 'policy': self.policy, 'bytes': self._bytes,
              'rows': self.rows, 'done': sorted(self.done)}
-    _replace_file(self.marker, json.dumps(state) + '\n')
+    scratch.replace_file(self.marker, json.dumps(state) + '\n')
     _sync_folder(self.path.parent)
 
 

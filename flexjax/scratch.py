@@ -201,6 +201,22 @@ def check_output_file(value: str | os.PathLike, named: str = '') -> Path:
   return target
 
 
+def replace_file(target: Path, text: str) -> None:
+  """Writes `target` whole or not at all (its folder made where missing): a temporary file
+  beside it, synced, renamed over it; on an error the temporary file is removed and `target`
+  is as it was."""
+  target.parent.mkdir(parents=True, exist_ok=True)
+  tmp = target.with_name(f'.{target.name}.tmp-{os.getpid()}')
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, target)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
 def check_writable(folder: Path, named: str) -> None:
   """Whether `folder` can be made (where missing) and written to: a file is written once into it,
   or into its nearest existing parent, where it is missing; nothing is left there. One that
