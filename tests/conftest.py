@@ -43,17 +43,19 @@ TEST_COMPILE_CACHE = {'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
 
 
 def pytest_configure(config):
-  if not hasattr(config, 'workerinput') and 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
-    folder = tempfile.mkdtemp(prefix='flexjax-tests-xla-')
-    config.stash[_COMPILE_CACHE_KEY] = folder  # the process that made it removes it
-    os.environ.update(TEST_COMPILE_CACHE, JAX_COMPILATION_CACHE_DIR=folder)
-  if os.environ.get('JAX_COMPILATION_CACHE_DIR'):  # this process: jax read its settings already
-    import jax
-    jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
-    jax.config.update('jax_persistent_cache_min_compile_time_secs',
-                      float(os.environ.get('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', 1)))
-    jax.config.update('jax_compilation_cache_max_size',
-                      int(os.environ.get('JAX_COMPILATION_CACHE_MAX_SIZE', -1)))
+  """The controlling process makes the folder and hands it on in the environment (the workers
+  and the processes tests start read it as jax is imported); its own jax, imported with this
+  file, is told directly."""
+  if hasattr(config, 'workerinput') or 'JAX_COMPILATION_CACHE_DIR' in os.environ:
+    return
+  import jax
+  folder = tempfile.mkdtemp(prefix='flexjax-tests-xla-')
+  config.stash[_COMPILE_CACHE_KEY] = folder  # the process that made it removes it
+  os.environ.update(TEST_COMPILE_CACHE, JAX_COMPILATION_CACHE_DIR=folder)
+  jax.config.update('jax_compilation_cache_dir', folder)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  jax.config.update('jax_compilation_cache_max_size',
+                    int(TEST_COMPILE_CACHE['JAX_COMPILATION_CACHE_MAX_SIZE']))
 
 
 def pytest_unconfigure(config):
