@@ -1,5 +1,6 @@
 """Numerical parity with transformers' OPTForCausalLM in fp32: a ladder from LayerNorm to logits."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +9,14 @@ import torch
 from conftest import (PROMPTS, assert_decode_steps_match, assert_prefill_matches, hf_logits,
                       left_pad)
 from flexjax.model import opt
+
+
+def prefill_attend(*args, **kwargs):
+  """attention.prefill_attend compiled once per shape, as a layer step runs it (op by op,
+  each jnp operation would compile alone)."""
+  from flexjax.model import attention
+  return jax.jit(attention.prefill_attend, static_argnames=('cfg', 'chunk', 'dtype'))(
+      *args, **kwargs)
 
 
 def test_layer_norm_matches_torch():
@@ -54,7 +63,6 @@ def test_prefill_attention_in_chunks_equals_the_full_square(kv_heads, s, chunks)
   260 positions: the default chunks (prefill_chunk: 64, the last one short) and 6 items, not a
   multiple of attention.PREFILL_ITEMS; 600: chunks of 128, the last one short."""
   from flexjax.config import ModelConfig
-  from flexjax.model import attention
   cfg = ModelConfig(name='t', family='llama', num_layers=1, hidden_size=32, num_heads=4, ffn_dim=64,
                     vocab_size=100, max_positions=512, num_kv_heads=kv_heads)
   rng = np.random.default_rng(0)
@@ -63,7 +71,7 @@ def test_prefill_attention_in_chunks_equals_the_full_square(kv_heads, s, chunks)
   k, v = (jnp.asarray(rng.standard_normal((b, s, cfg.kv_dim)), jnp.float32) for _ in range(2))
   mask = np.ones((b, s), bool)
   mask[1, :4] = mask[2, :9] = False  # left padding
-  full = attention.prefill_attend(q, k, v, jnp.asarray(mask), cfg, chunk=s)
+  full = prefill_attend(q, k, v, jnp.asarray(mask), cfg, chunk=s)
   scores = np.einsum('bqhd,bthd->bhqt', np.asarray(q).reshape(b, s, 4, 8),
                      np.repeat(np.asarray(k).reshape(b, s, kv_heads, 8), 4 // kv_heads, axis=2))
   allowed = np.tril(np.ones((s, s), bool))[None, None] & mask[:, None, None, :]
@@ -73,7 +81,7 @@ def test_prefill_attention_in_chunks_equals_the_full_square(kv_heads, s, chunks)
       np.asarray(v).reshape(b, s, kv_heads, 8), 4 // kv_heads, axis=2)).reshape(b, s, -1)
   np.testing.assert_allclose(np.asarray(full)[mask], want[mask], rtol=1e-5, atol=1e-6)
   for chunk in chunks:
-    got = attention.prefill_attend(q, k, v, jnp.asarray(mask), cfg, chunk=chunk)
+    got = prefill_attend(q, k, v, jnp.asarray(mask), cfg, chunk=chunk)
     np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(full)[mask], rtol=1e-5,
                                atol=1e-5)  # float32 sums of up to 260 terms in another order
 
@@ -92,9 +100,9 @@ def test_prefill_attention_computes_in_the_dtype_it_is_given(dtype):
              for n in (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
   mask = np.ones((b, s), bool)
   mask[1, :5] = False
-  got = attention.prefill_attend(q, k, v, jnp.asarray(mask), cfg, dtype=jnp.float32)
+  got = prefill_attend(q, k, v, jnp.asarray(mask), cfg, dtype=jnp.float32)
   assert got.dtype == jnp.dtype(dtype)
-  want = attention.prefill_attend(*(a.astype(jnp.float32) for a in (q, k, v)), jnp.asarray(mask),
+  want = prefill_attend(*(a.astype(jnp.float32) for a in (q, k, v)), jnp.asarray(mask),
                                   cfg)
   np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(want.astype(dtype))[mask])
   assert attention.prefill_dtype(jnp.bfloat16, 'cpu') == jnp.float32
@@ -128,7 +136,8 @@ def test_decode_attention_equals_the_reference(kv_heads, t, standalone):
   probs = np.exp(scores - scores.max(1, keepdims=True))
   probs /= probs.sum(1, keepdims=True)
   want = (probs[..., None] * values).sum(1).reshape(b, cfg.q_dim)
-  attend = lambda *a: np.asarray(attention.attend_decode(  # noqa: E731
+  step = jax.jit(attention.attend_decode, static_argnames=('cfg', 'standalone'))
+  attend = lambda *a: np.asarray(step(  # noqa: E731
       *(jnp.asarray(x) for x in a), jnp.asarray(mask), cfg=cfg, standalone=standalone))
   np.testing.assert_allclose(attend(q, k_new, v_new, kc, vc), want, rtol=1e-5, atol=1e-6)
   if standalone:
