@@ -81,6 +81,23 @@ class TinyModel:
     return Engine(Checkpoint(self.ckpt_dir), **kw)
 
 
+def quantize(x, config):
+  """quant.quantize compiled once per shape, as the engine's steps run it (called op by op,
+  each jnp operation would compile on its own)."""
+  import jax
+
+  from flexjax import quant
+  return jax.jit(quant.quantize, static_argnames='config')(x, config)
+
+
+def dequantize(data, dim, config):
+  """quant.dequantize compiled once per shape (see `quantize`)."""
+  import jax
+
+  from flexjax import quant
+  return jax.jit(quant.dequantize, static_argnames=('dim', 'config'))(data, dim, config)
+
+
 def make_hf_model(shape: dict, seed: int = 0):
   """A random OPTForCausalLM whose every parameter (biases, LayerNorms) is non-trivial."""
   torch.manual_seed(seed)

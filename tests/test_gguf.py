@@ -13,13 +13,12 @@ torch = pytest.importorskip('torch')  # CI installs the test extras; this only g
 transformers = pytest.importorskip('transformers')
 gguf = pytest.importorskip('gguf')
 
-from conftest import left_pad, llama_logits  # noqa: E402
+from conftest import dequantize, left_pad, llama_logits, quantize  # noqa: E402
 from flexjax import gguf_import  # noqa: E402
 from flexjax.checkpoint import Checkpoint  # noqa: E402
 from flexjax.engine import Engine, GenerationConfig  # noqa: E402
 from flexjax.errors import FlexjaxError  # noqa: E402
 from flexjax.policy import Policy  # noqa: E402
-from flexjax.quant import dequantize, quantize  # noqa: E402
 from flexjax.stream import StreamLayout  # noqa: E402
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,

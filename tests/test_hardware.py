@@ -85,19 +85,17 @@ def test_step_overhead_is_measured_on_the_engine():
   assert 0 < seconds < 0.01
 
 
-def test_measuring_this_machine_gives_a_profile_the_cost_model_takes(tmp_path):
-  """hardware.measure, as a first --policy=auto run on a new machine calls it (quick sizes):
-  every rate measured and finite, the profile saved and loaded whole, and a search over it
-  predicts finite times."""
-  profile = hardware.measure(jax.devices()[0], quick=True, scratch_dir=str(tmp_path))
+def check_measured_profile(profile: hardware.HardwareProfile, folder) -> None:
+  """A profile measured on this machine (quick sizes): every rate measured and finite, saved and
+  loaded whole, and a search over it predicts finite times."""
   assert sorted(profile.mm_flops) == [1, 16, 256] and sorted(profile.bmm_flops) == [1, 16, 256]
   rates = [profile.ctog_bw, profile.gtoc_bw, profile.dtoc_bw, profile.ctod_bw, profile.cpu_flops,
            profile.prefill_attention_flops, *profile.mm_flops.values(),
            *profile.bmm_flops.values()]
   assert all(0 < r < math.inf for r in rates)
   assert profile.copies_share_compute and 0 <= profile.disk_overlap <= 1
-  profile.save(tmp_path / 'hw.json')
-  assert hardware.HardwareProfile.load(tmp_path / 'hw.json') == profile
+  profile.save(folder / 'hw.json')
+  assert hardware.HardwareProfile.load(folder / 'hw.json') == profile
   cfg = ModelConfig(name='measured', num_layers=2, hidden_size=64, num_heads=4, ffn_dim=128,
                     vocab_size=512, max_positions=64)
   sizes = plan_lib.Itemsizes(storage=2, compute=4, cache=4)
@@ -105,6 +103,13 @@ def test_measuring_this_machine_gives_a_profile_the_cost_model_takes(tmp_path):
                                        cache_cpu_percent=100, cpu_attention=True),
                            profile, sizes, prompt_len=16, gen_len=8)
   assert 0 < got.prefill_s < math.inf and 0 < got.decode_s < math.inf
+
+
+@pytest.mark.slow  # tests/test_memcheck.py checks the profile a first --policy=auto run measures
+def test_measuring_this_machine_gives_a_profile_the_cost_model_takes(tmp_path):
+  """hardware.measure, as a first --policy=auto run on a new machine calls it (quick sizes)."""
+  check_measured_profile(hardware.measure(jax.devices()[0], quick=True,
+                                          scratch_dir=str(tmp_path)), tmp_path)
 
 
 def test_profile_hw_refuses_an_output_it_cannot_write_before_measuring(tmp_path):

@@ -11,7 +11,8 @@ import pytest
 from tools import memcheck
 
 
-@pytest.mark.parametrize('name', memcheck.CI_CASES)
+@pytest.mark.parametrize('name', [*memcheck.CI_CASES, *(
+    pytest.param(name, marks=pytest.mark.slow) for name in memcheck.SLOW_CI_CASES)])
 def test_measured_peak_never_exceeds_the_plan(name):
   row = memcheck.run_case(name)
   assert row['tier'] == 'ram'  # CPU backend: device and host tiers are one RAM
@@ -46,10 +47,14 @@ def _first_auto_run(tmp_path, *extra):
 def test_a_first_auto_run_measures_the_machine_within_its_plan(tmp_path):
   """Measuring the machine for the cost model is part of the run's memory: its peak RSS,
   probe included (it once held 2.6 GiB, past a 2 GiB budget), stays within the plan, whose
-  probe phase the report's planned peak covers."""
+  probe phase the report's planned peak covers; the profile it keeps is one the cost model
+  takes."""
+  from flexjax.hardware import HardwareProfile
+  from test_hardware import check_measured_profile
   done, report, profiles = _first_auto_run(tmp_path, '--cpu_mem=3')
   assert done.returncode == 0, done.stderr[-2000:]
   assert len(profiles) == 1
+  check_measured_profile(HardwareProfile.load(profiles[0]), tmp_path)
   row = json.loads(report.read_text())
   assert 0 < row['measured_ram_peak_bytes'] <= row['planned_ram_peak_bytes'], row
 

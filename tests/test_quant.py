@@ -1,23 +1,12 @@
 """Group-wise quantization: error bound, packing round trip, odd sizes, sizes."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flexjax import quant
+from conftest import dequantize, quantize
 from flexjax.errors import FlexjaxError
 from flexjax.quant import QuantConfig, pack, unpack
-
-
-def quantize(x, config):
-  """quant.quantize compiled once per shape, as the engine's steps run it (op by op, each jnp
-  operation would compile alone)."""
-  return jax.jit(quant.quantize, static_argnames='config')(x, config)
-
-
-def dequantize(data, dim, config):
-  return jax.jit(quant.dequantize, static_argnames=('dim', 'config'))(data, dim, config)
 
 
 def _group_scales(x: np.ndarray, config: QuantConfig) -> np.ndarray:

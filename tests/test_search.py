@@ -98,7 +98,10 @@ def test_more_memory_never_predicts_lower_throughput_beyond_the_tie():
     previous = found.prediction.throughput
 
 
-@pytest.mark.parametrize('name', [pytest.param('opt-30b', marks=pytest.mark.slow), 'opt-175b'])
+# slow: tests/test_cli.py searches OPT-30B's paper setting through the command line, and plans
+# the OPT-175B flagfile
+@pytest.mark.slow
+@pytest.mark.parametrize('name', ['opt-30b', 'opt-175b'])
 def test_paper_setting_gives_feasible_policies(name):
   found = search(preset(name), t4_profile(), T4_BUDGETS, prompt_len=512, gen_len=32, sizes=FP16)
   assert found.prediction.throughput > 0
@@ -106,6 +109,7 @@ def test_paper_setting_gives_feasible_policies(name):
     assert found.planned_peak_bytes[tier] <= budget
 
 
+@pytest.mark.slow  # tests/test_cli.py runs the same search through the command line
 def test_no_feasible_policy_names_the_short_tier():
   with pytest.raises(FlexjaxError, match=r'on the disk, [\d.]+ GiB more than its budget'):
     search(preset('opt-30b'), t4_profile(), {'device': 16 * GIB, 'host': 8 * GIB,
