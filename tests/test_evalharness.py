@@ -144,6 +144,7 @@ def test_requests_and_metrics_equal_lm_eval_hf(pre_ln, tasks_dir, hf_results, po
         assert got[key] == value, (task, key)
 
 
+@pytest.mark.slow  # tests/test_readme.py runs README's evalharness command, checked the same way
 def test_cli_wrapper_runs_lm_eval(pre_ln, tasks_dir, tmp_path):
   command = [sys.executable, '-m', 'flexjax.evalharness', '--model', 'flexjax',
              '--model_args', f'checkpoint={pre_ln.ckpt_dir},gpu_batch_size=4,w_gpu_percent=50,'

@@ -86,9 +86,10 @@ def test_step_overhead_is_measured_on_the_engine():
 
 
 def check_measured_profile(profile: hardware.HardwareProfile, folder) -> None:
-  """A profile measured on this machine (quick sizes): every rate measured and finite, saved and
-  loaded whole, and a search over it predicts finite times."""
-  assert sorted(profile.mm_flops) == [1, 16, 256] and sorted(profile.bmm_flops) == [1, 16, 256]
+  """A profile measured on this machine: every rate measured (batched products at some of the
+  products' row counts) and finite; saved and loaded whole; a search over it predicts finite
+  times."""
+  assert 1 in profile.bmm_flops and set(profile.bmm_flops) <= set(profile.mm_flops)
   rates = [profile.ctog_bw, profile.gtoc_bw, profile.dtoc_bw, profile.ctod_bw, profile.cpu_flops,
            profile.prefill_attention_flops, *profile.mm_flops.values(),
            *profile.bmm_flops.values()]
@@ -107,9 +108,10 @@ def check_measured_profile(profile: hardware.HardwareProfile, folder) -> None:
 
 @pytest.mark.slow  # tests/test_memcheck.py checks the profile a first --policy=auto run measures
 def test_measuring_this_machine_gives_a_profile_the_cost_model_takes(tmp_path):
-  """hardware.measure, as a first --policy=auto run on a new machine calls it (quick sizes)."""
-  check_measured_profile(hardware.measure(jax.devices()[0], quick=True,
-                                          scratch_dir=str(tmp_path)), tmp_path)
+  """hardware.measure at the quick sizes (python -m tools.profile_hw --quick)."""
+  profile = hardware.measure(jax.devices()[0], quick=True, scratch_dir=str(tmp_path))
+  assert sorted(profile.mm_flops) == [1, 16, 256] and sorted(profile.bmm_flops) == [1, 16, 256]
+  check_measured_profile(profile, tmp_path)
 
 
 def test_profile_hw_refuses_an_output_it_cannot_write_before_measuring(tmp_path):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import without_test_compile_cache
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / 'README.md').read_text()
 CPU_PROFILE = str(REPO / 'configs' / 'hw' / 'cpu-2core.json')
@@ -88,8 +90,12 @@ def test_every_readme_command_is_known_and_ci_runs_the_set_up():
   assert any(s.startswith('python -m pytest') for s in set_up)
 
 
-def _run(argv: list[str], tmp_path: Path, env_extra: dict | None = None):
-  env = dict(os.environ, JAX_PLATFORMS='cpu', FLEXJAX_CACHE=str(tmp_path / 'cache'),
+def _run(argv: list[str], tmp_path: Path, env_extra: dict | None = None,
+         own_compile_cache: bool = False):
+  """Runs a command in tmp_path; own_compile_cache: without the test run's shared compilation
+  cache, so that the command keeps its compiled steps where it would for a user."""
+  base = without_test_compile_cache(os.environ) if own_compile_cache else os.environ
+  env = dict(base, JAX_PLATFORMS='cpu', FLEXJAX_CACHE=str(tmp_path / 'cache'),
              HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', **(env_extra or {}))
   argv = [sys.executable if argv[0] == 'python' else argv[0], *argv[1:]]
   proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -159,8 +165,10 @@ def test_the_checkpoint_examples_run_on_a_tiny_model(pre_ln, workdir):
   write_tasks(tasks)
   argv = _sub(by_key('flexjax.evalharness --model_args'),
               **{'lambada_openai,hellaswag': 'fj_choice'})
-  proc = _run(argv + ['--include_path', str(tasks), '--limit', '2'], workdir)
-  assert 'fj_choice' in proc.stdout and 'acc' in proc.stdout
+  proc = _run(argv + ['--include_path', str(tasks), '--limit', '2'], workdir,
+              own_compile_cache=True)
+  assert 'fj_choice' in proc.stdout and 'acc_norm' in proc.stdout
+  assert list((workdir / 'cache').glob('xla-*/*-cache'))  # compiled steps kept for the next
 
 
 def test_the_pipeline_launches_run_as_written_and_across_hosts_on_localhost(workdir):
