@@ -26,10 +26,11 @@ def test_batched_greedy_equals_transformers_generate(tiny):
   np.testing.assert_array_equal(result.tokens, hf_generate(tiny.torch_model, PROMPTS, 10))
 
 
-def test_batched_greedy_equals_each_prompt_alone(tiny):
-  batched = tiny.engine(policy=Policy(gpu_batch_size=3)).generate(PROMPTS,
-                                                                   GenerationConfig(gen_len=8))
-  engine = tiny.engine(policy=Policy(gpu_batch_size=1))
+def test_batched_greedy_equals_each_prompt_alone(pre_ln):
+  """(One model: every shape's batched run is checked against transformers above.)"""
+  batched = pre_ln.engine(policy=Policy(gpu_batch_size=3)).generate(PROMPTS,
+                                                                     GenerationConfig(gen_len=8))
+  engine = pre_ln.engine(policy=Policy(gpu_batch_size=1))
   for i, prompt in enumerate(PROMPTS):
     alone = engine.generate([prompt], GenerationConfig(gen_len=8))
     np.testing.assert_array_equal(batched.tokens[i], alone.tokens[0])

@@ -106,7 +106,6 @@ def check_measured_profile(profile: hardware.HardwareProfile, folder) -> None:
   assert 0 < got.prefill_s < math.inf and 0 < got.decode_s < math.inf
 
 
-@pytest.mark.slow  # tests/test_memcheck.py checks the profile a first --policy=auto run measures
 def test_measuring_this_machine_gives_a_profile_the_cost_model_takes(tmp_path):
   """hardware.measure at the quick sizes (python -m tools.profile_hw --quick)."""
   profile = hardware.measure(jax.devices()[0], quick=True, scratch_dir=str(tmp_path))

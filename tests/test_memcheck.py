@@ -44,6 +44,7 @@ def _first_auto_run(tmp_path, *extra):
   return done, report, profiles
 
 
+@pytest.mark.slow  # the whole measurement (4-5 min beside the other test worker)
 def test_a_first_auto_run_measures_the_machine_within_its_plan(tmp_path):
   """Measuring the machine for the cost model is part of the run's memory: its peak RSS,
   probe included (it once held 2.6 GiB, past a 2 GiB budget), stays within the plan, whose

@@ -140,7 +140,7 @@ def random_case(rng: random.Random) -> RandomCase:
   return RandomCase(tuple(out), job)
 
 
-def job_rows(count: int = 48) -> list[dict[str, Any]]:
+def job_rows(count: int = 24) -> list[dict[str, Any]]:
   """A job's input rows: token prompts of 8 to 400 tokens and 2 to 8 new tokens, mixed."""
   rng = random.Random(5)
   return [{'id': f'r{i}', 'tokens': [rng.randint(4, 50000) for _ in range(
