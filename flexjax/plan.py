@@ -700,16 +700,14 @@ def estimate_rows(batch: int, prompt_len: int,
   batch of `batch` (Planner.xla): 1, unless the batch's prompt products take another form than
   one sequence's (`forms`: the product rows from which they do, steps.Steps.prompt_forms: the
   whole cast matrix from linear.CAST_ALL_ROWS, oneDNN from linear.LIBRARY_ROWS on a CPU); then
-  the first count whose prompt takes the batch's form (or batch - 1, so that the second count
-  is the batch itself). The cast matrix and oneDNN's scratch are there once whatever the rows,
-  so a line through one count of each form would charge them once per sequence, or not at all."""
+  the first count whose prompt takes the batch's form, so that every batch of one form shares
+  its two counts (at most the batch: the line is exact there). The cast matrix and oneDNN's
+  scratch are there once whatever the rows, so a line through one count of each form would
+  charge them once per sequence, or not at all."""
   reached = [rows for rows in forms if batch * prompt_len >= rows]
   if not reached:
     return 1
-  first = math.ceil(max(reached) / prompt_len)
-  if first == 1:
-    return 1
-  return min(first, batch - 1)  # batch >= 2 here, as batch * prompt_len > prompt_len
+  return math.ceil(max(reached) / prompt_len)  # <= batch, as batch * prompt_len >= the rows
 
 
 class Planner:

@@ -4,17 +4,16 @@ placements; closeness to fp32 is a stated bound on random tiny models (their wor
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, dequantize, quantize
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.model import params as params_lib
 from flexjax.policy import Policy
-from flexjax.quant import QuantConfig, dequantize, quantize
+from flexjax.quant import QuantConfig
 
 GEN = GenerationConfig(gen_len=6, stop_at_eos=False)
 
@@ -28,12 +27,11 @@ class DequantizedWeights:
     self.config, self.dtype = ckpt.config, ckpt.dtype
 
   def read(self, stage):
-    @jax.jit
-    def dequantized(a):  # one compile per shape, not one per operation
-      return dequantize(quantize(a, self.quant), a.shape[-1], self.quant)
-
-    def roundtrip(a):
-      return a if a.ndim < 2 else np.asarray(dequantized(jnp.asarray(a)))
+    def roundtrip(a):  # compiled once per shape (conftest's helpers)
+      if a.ndim < 2:
+        return a
+      return np.asarray(dequantize(quantize(jnp.asarray(a), self.quant), a.shape[-1],
+                                   self.quant))
     flat = params_lib.flatten(self.ckpt.read(stage))
     return params_lib.unflatten({k: roundtrip(v) for k, v in flat.items()})
 

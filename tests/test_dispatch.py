@@ -170,3 +170,20 @@ def test_plans_after_the_search_compile_nothing_and_the_warm_up_compiles_again(t
       compiles.clear()
       engine.generate(prompts, gen)
   assert compiles == []
+
+
+def test_the_search_screens_the_batches_of_one_form_with_one_pair_of_compiles():
+  """The search's screening (plan.Planner.xla with estimate) compiles two sequence counts per
+  form of the prompt products, shared by every GPU batch of that form: after batch 8 at prompt
+  128 (past linear.CAST_ALL_ROWS), batches 16 and 24 build no executable, neither compiled nor
+  loaded from the session's compilation cache."""
+  from flexjax import plan as plan_lib
+  cfg = ModelConfig(name='screened', num_layers=2, hidden_size=80, num_heads=4, ffn_dim=96,
+                    vocab_size=320, max_positions=160)
+  planner = plan_lib.Planner.for_sizes(cfg, plan_lib.Itemsizes(2, 4, 4), device_is_host=True)
+  for batch in (8, 16, 24):
+    policy = Policy(gpu_batch_size=batch, num_gpu_batches=1, cache_gpu_percent=0,
+                    cache_cpu_percent=100, cpu_attention=True)
+    with executables_built() as built:
+      planner.xla(policy, prompt_len=128, gen_len=4, estimate=True)
+    assert (batch == 8) == bool(built), (batch, built)
