@@ -193,6 +193,37 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
                        f'{", ".join(PERCENT_FIELDS)}')
   fixed = {PERCENT_FIELDS[name]: getattr(template, name) / 100 for name in fixed_percents}
   start = time.perf_counter()
+  grid = dict(gpu_batch_sizes=tuple(gpu_batch_sizes), num_gpu_batches=tuple(num_gpu_batches),
+              max_block_size=max_block_size)
+  cpu_attention = tuple(dict.fromkeys(cpu_attention))
+  passes = [cpu_attention]
+  if hw.copies_share_compute and cpu_attention == (False, True):
+    # Where the device is the host, CPU attention runs on the device's cores at its rate (the
+    # cost model predicts the same time for both) and its screened bytes are at least device
+    # attention's (Planner.xla takes the larger of both steps): its candidates can win only
+    # where device attention's fit nowhere, so they are screened (and their steps compiled)
+    # only then.
+    passes = [(False,), (True,)]
+  tried = 0
+  for values in passes:
+    found, tries = _screen(cfg, hw, budgets, sizes=sizes, planner=planner, template=template,
+                           prompt_len=prompt_len, gen_len=gen_len, fixed=fixed,
+                           fixed_percents=fixed_percents, cpu_attention=values,
+                           max_block_seconds=max_block_seconds, **grid)
+    tried += tries
+    best = _check(cfg, hw, budgets, sizes, planner, found, prompt_len=prompt_len,
+                  gen_len=gen_len, fixed_percents=fixed_percents, tried=tried)
+    if best is not None:
+      planner.release_compiled()
+      return dataclasses.replace(best, seconds=time.perf_counter() - start)
+  raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len))
+
+
+def _screen(cfg, hw, budgets, *, sizes, planner, template, prompt_len, gen_len, fixed,
+            fixed_percents, gpu_batch_sizes, num_gpu_batches, max_block_size, cpu_attention,
+            max_block_seconds) -> tuple[list[SearchResult], int]:
+  """Every batch geometry's LP, rounded and repaired against the plan with XLA's bytes
+  estimated: the candidates that fit, and how many geometries were tried."""
   found: list[SearchResult] = []
   tried = 0
   for gbs in gpu_batch_sizes:
@@ -217,8 +248,14 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
                                               > max_block_seconds):
           continue
         found.append(SearchResult(policy, prediction, plan, 0, 0.0))
-  # The real plan (steps compiled at their shapes) may move data further down than the
-  # estimate did; a candidate it slows below the tie is kept aside while the next is checked.
+  return found, tried
+
+
+def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len, fixed_percents,
+           tried) -> SearchResult | None:
+  """The best screened candidate whose real plan (steps compiled at their shapes) fits. That
+  plan may move data further down than the estimate did; a candidate it slows below the tie is
+  kept aside while the next is checked."""
   checked: list[SearchResult] = []
   top = max((r.prediction.throughput for r in found), default=0.0)
   for best in _ranked(found)[:MAX_CHECKED]:
@@ -230,13 +267,12 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
       checked.append(SearchResult(policy, prediction, plan, tried, 0.0))
       if prediction.throughput >= (1 - TIE) * top:
         break
-  if checked:
-    best = max(checked, key=lambda r: r.prediction.throughput)
-    if checked[-1].prediction.throughput >= (1 - TIE) * top:
-      best = checked[-1]
-    planner.release_compiled()
-    return dataclasses.replace(best, seconds=time.perf_counter() - start)
-  raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len))
+  if not checked:
+    return None
+  best = max(checked, key=lambda r: r.prediction.throughput)
+  if checked[-1].prediction.throughput >= (1 - TIE) * top:
+    best = checked[-1]
+  return best
 
 
 def _ranked(found: list[SearchResult]) -> list[SearchResult]:

@@ -103,10 +103,12 @@ CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'
 
 @contextlib.contextmanager
 def executables_built():
-  """The list of executables jax builds (compiles or loads from its cache) within."""
+  """The list of executables jax builds (compiles or loads from its cache) within: (event,
+  the function's name for a compilation, jax's 'jit(name)')."""
   built = []
-  on_compile = lambda event, seconds, **kw: built.append(event) if event == COMPILE_EVENT else None
-  on_event = lambda event, **kw: built.append(event) if event == CACHE_HIT_EVENT else None
+  on_compile = lambda event, seconds, **kw: (
+      built.append((event, kw.get('fun_name'))) if event == COMPILE_EVENT else None)
+  on_event = lambda event, **kw: built.append((event, None)) if event == CACHE_HIT_EVENT else None
   monitoring.register_event_duration_secs_listener(on_compile)
   monitoring.register_event_listener(on_event)
   try:
@@ -187,3 +189,27 @@ def test_the_search_screens_the_batches_of_one_form_with_one_pair_of_compiles():
     with executables_built() as built:
       planner.xla(policy, prompt_len=128, gen_len=4, estimate=True)
     assert (batch == 8) == bool(built), (batch, built)
+
+
+def test_a_search_where_the_device_is_the_host_compiles_no_cpu_attention_step():
+  """Where the device is the host, CPU attention costs what device attention does and its
+  screened bytes are at least device attention's (search.search): a search whose device
+  attention candidates fit compiles none of CPU attention's steps. A model of its own shape, so
+  every step built is compiled here and named."""
+  from flexjax import hardware
+  from flexjax import plan as plan_lib
+  from flexjax.search import search
+  cfg = ModelConfig(name='searched-on-host', num_layers=2, hidden_size=88, num_heads=4,
+                    ffn_dim=96, vocab_size=330, max_positions=64)
+  hw = hardware.HardwareProfile(name='host', ctog_bw=10e9, gtoc_bw=10e9, dtoc_bw=1e9,
+                                ctod_bw=1e9, mm_flops={1: 1e10, 4096: 1e11},
+                                bmm_flops={1: 1e9, 4096: 1e10}, cpu_flops=1e10,
+                                copies_share_compute=True)
+  with executables_built() as built:
+    found = search(cfg, hw, {'ram': 2**30, 'disk': 2**30}, prompt_len=16, gen_len=4,
+                   sizes=plan_lib.Itemsizes(2, 4, 4), gpu_batch_sizes=(2, 4),
+                   num_gpu_batches=(1, 2))
+  names = {name for _, name in built}
+  assert 'jit(decode_layer)' in names, built
+  assert not names & {'jit(decode_front)', 'jit(decode_attend)', 'jit(decode_back)'}, names
+  assert not found.policy.cpu_attention
