@@ -65,7 +65,7 @@ def test_the_draws_cover_every_kind_of_run():
 
 
 def test_the_comparison_tells_other_weights_apart():
-  case = fuzz_placement.draw_case(25)  # one prompt, four new tokens: the cheapest draw
+  case = fuzz_placement.draw_case(25)  # one layer, one prompt, four new tokens: a cheap draw
   with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as layouts:
     reference = fuzz_placement.generate(case, case.policy, tmp, weights_cache=layouts)
     other = fuzz_placement.generate(case, case.policy, tmp, weights_cache=layouts,
