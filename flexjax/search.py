@@ -195,9 +195,9 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
   start = time.perf_counter()
   grid = dict(gpu_batch_sizes=tuple(gpu_batch_sizes), num_gpu_batches=tuple(num_gpu_batches),
               max_block_size=max_block_size)
-  cpu_attention = tuple(dict.fromkeys(cpu_attention))
+  cpu_attention = tuple(cpu_attention)
   passes = [cpu_attention]
-  if hw.copies_share_compute and cpu_attention == (False, True):
+  if hw.copies_share_compute and set(cpu_attention) == {False, True}:
     # Where the device is the host, CPU attention runs on the device's cores at its rate (the
     # cost model predicts the same time for both) and its screened bytes are at least device
     # attention's (Planner.xla takes the larger of both steps): its candidates can win only
@@ -212,10 +212,10 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
                            max_block_seconds=max_block_seconds, **grid)
     tried += tries
     best = _check(cfg, hw, budgets, sizes, planner, found, prompt_len=prompt_len,
-                  gen_len=gen_len, fixed_percents=fixed_percents, tried=tried)
+                  gen_len=gen_len, fixed_percents=fixed_percents)
     if best is not None:
       planner.release_compiled()
-      return dataclasses.replace(best, seconds=time.perf_counter() - start)
+      return dataclasses.replace(best, candidates=tried, seconds=time.perf_counter() - start)
   raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len))
 
 
@@ -251,8 +251,8 @@ def _screen(cfg, hw, budgets, *, sizes, planner, template, prompt_len, gen_len, 
   return found, tried
 
 
-def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len, fixed_percents,
-           tried) -> SearchResult | None:
+def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len,
+           fixed_percents) -> SearchResult | None:
   """The best screened candidate whose real plan (steps compiled at their shapes) fits. That
   plan may move data further down than the estimate did; a candidate it slows below the tie is
   kept aside while the next is checked."""
@@ -264,7 +264,7 @@ def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len, fixe
     if policy is not None:
       prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
                                       gen_len=gen_len, planner=planner)
-      checked.append(SearchResult(policy, prediction, plan, tried, 0.0))
+      checked.append(SearchResult(policy, prediction, plan, 0, 0.0))
       if prediction.throughput >= (1 - TIE) * top:
         break
   if not checked:
