@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from flexjax.config import ModelConfig, np_dtype
 from flexjax import scratch
@@ -53,6 +52,7 @@ class CheckpointWriter:
     scratch.check_writable(self.path.parent, f'output {str(self.path)!r} (its folder)')
     self._partial: scratch.Claim | None = None
     self._written: list[str] = []
+    import orbax.checkpoint as ocp  # here, not at the top: dummy-weight runs start without it
     self._checkpointer = ocp.PyTreeCheckpointer()
 
   def __enter__(self) -> 'CheckpointWriter':
@@ -137,6 +137,7 @@ class Checkpoint:
       raise FlexjaxError(f'checkpoint {str(path)!r} has a corrupt {META_FILE} ({e}); convert it '
                          'again') from None
     self.tokenizer_path = (self.path / meta['tokenizer']) if meta.get('tokenizer') else None
+    import orbax.checkpoint as ocp  # here, not at the top: dummy-weight runs start without it
     self._checkpointer = ocp.PyTreeCheckpointer()
     for stage in params_lib.stage_names(self.config):
       _check_shapes(self.config, stage, self._stored_shapes(stage),

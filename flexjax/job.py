@@ -497,7 +497,8 @@ def run_job(rc) -> dict[str, Any]:
       policy, prediction = Policy(**output.policy), None
     else:
       policy, prediction = run_lib.choose_policy(rc, cfg, st.planner, st.budgets, st.profile,
-                                                 prompt_len, gen_len=gen_len)
+                                                 prompt_len, gen_len=gen_len,
+                                                 num_sequences=len(rows))
     head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                         gen_len=gen_len)
     if problem is not None and not rc.dry_run:

@@ -201,14 +201,16 @@ def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
 
 
 def choose_policy(rc: RunConfig, cfg, planner: plan_lib.Planner, budgets, profile,
-                  prompt_len: int, gen_len: int | None = None):
-  """The policy to run and its prediction: searched (--policy=auto) or hand-given."""
+                  prompt_len: int, gen_len: int | None = None,
+                  num_sequences: int | None = None):
+  """The policy to run and its prediction: searched (--policy=auto; for `num_sequences`
+  sequences where the run knows how many, see search.search) or hand-given."""
   gen_len = gen_len or rc.generation.gen_len
   if rc.policy_mode == 'auto':
     found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
                           sizes=planner.sizes, planner=planner, template=rc.policy,
                           max_block_seconds=rc.max_block_seconds,
-                          max_block_size=rc.max_block_size)
+                          max_block_size=rc.max_block_size, num_sequences=num_sequences)
     return found.policy, found.prediction
   if profile is None:
     return rc.policy, None
@@ -351,9 +353,10 @@ def run(rc: RunConfig) -> dict[str, Any]:
     return job_lib.run_job(rc)
   st = setup(rc)
   cfg, tokenizer = st.cfg, st.tokenizer
+  num_sequences = rc.num_prompts  # synthetic prompts: one block of the policy's unless given
   if rc.prompt_file:
     prompts, texts = load_prompts(rc.prompt_file, cfg, tokenizer, chat=rc.chat)
-    prompt_len = max(len(p) for p in prompts)
+    prompt_len, num_sequences = max(len(p) for p in prompts), len(prompts)
   else:
     if rc.prompt_len > cfg.max_positions:
       raise FlexjaxError(f'--prompt_len={rc.prompt_len} exceeds the {cfg.max_positions} '
@@ -364,7 +367,8 @@ def run(rc: RunConfig) -> dict[str, Any]:
     raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
                        f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
                        'shorten one of them')
-  policy, prediction = choose_policy(rc, cfg, st.planner, st.budgets, st.profile, prompt_len)
+  policy, prediction = choose_policy(rc, cfg, st.planner, st.budgets, st.profile, prompt_len,
+                                     num_sequences=num_sequences)
   head, problem = plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                               gen_len=rc.generation.gen_len)
   if rc.dry_run:

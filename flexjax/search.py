@@ -9,7 +9,6 @@ import time
 from typing import Iterable, Iterator
 
 import numpy as np
-from scipy.optimize import linprog
 
 from flexjax import cost_model
 from flexjax import plan as plan_lib
@@ -89,6 +88,7 @@ def solve_placement(model: cost_model.Model, budgets: dict[str, int | None], *,
   bounds = [(0.0, 1.0)] * len(cost_model.FRACTIONS) + [(0.0, None)] * len(_AUX)
   for name, value in (fixed or {}).items():
     bounds[index[name]] = (value, value)
+  from scipy.optimize import linprog  # here, not at the top: a process starts 0.6 s sooner
   res = linprog(objective, A_ub=np.array(rows), b_ub=np.array(bounds_ub), A_eq=equalities,
                 b_eq=np.ones(3), bounds=bounds, method='highs')
   if res.status != 0:
@@ -175,8 +175,14 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
            num_gpu_batches: Iterable[int] = NUM_GPU_BATCHES, max_block_size: int = 4096,
            cpu_attention: Iterable[bool] = (False, True),
            max_block_seconds: float | None = None,
-           fixed_percents: Iterable[str] = ()) -> SearchResult:
+           fixed_percents: Iterable[str] = (),
+           num_sequences: int | None = None) -> SearchResult:
   """The policy with the highest predicted throughput that fits the budgets.
+
+  num_sequences: how many sequences the run has, where known (a job's rows, a prompt file's
+  prompts). Blocks are then ranked by the throughput of those sequences' tokens (the padding
+  rows of a last, part-filled block generate nothing), and no block is screened past the
+  smallest one that holds them all (a larger one only pads more).
 
   The template's approximations (compression, sparsity) and overlap are kept; batch geometry,
   CPU attention and placement are searched, except the percents named in fixed_percents
@@ -193,7 +199,14 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
                        f'{", ".join(PERCENT_FIELDS)}')
   fixed = {PERCENT_FIELDS[name]: getattr(template, name) / 100 for name in fixed_percents}
   start = time.perf_counter()
-  grid = dict(gpu_batch_sizes=tuple(gpu_batch_sizes), num_gpu_batches=tuple(num_gpu_batches),
+  gpu_batch_sizes, num_gpu_batches = tuple(gpu_batch_sizes), tuple(num_gpu_batches)
+  if num_sequences is not None:
+    if num_sequences < 1:
+      raise FlexjaxError(f'num_sequences={num_sequences}: a run has one sequence or more')
+    holding = [b * g for b in gpu_batch_sizes for g in num_gpu_batches
+               if num_sequences <= b * g <= max_block_size]
+    max_block_size = min(holding, default=max_block_size)
+  grid = dict(gpu_batch_sizes=gpu_batch_sizes, num_gpu_batches=num_gpu_batches,
               max_block_size=max_block_size)
   cpu_attention = tuple(cpu_attention)
   passes = [cpu_attention]
@@ -212,7 +225,7 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
                            max_block_seconds=max_block_seconds, **grid)
     tried += tries
     best = _check(cfg, hw, budgets, sizes, planner, found, prompt_len=prompt_len,
-                  gen_len=gen_len, fixed_percents=fixed_percents)
+                  gen_len=gen_len, fixed_percents=fixed_percents, num_sequences=num_sequences)
     if best is not None:
       planner.release_compiled()
       return dataclasses.replace(best, candidates=tried, seconds=time.perf_counter() - start)
@@ -251,43 +264,56 @@ def _screen(cfg, hw, budgets, *, sizes, planner, template, prompt_len, gen_len, 
   return found, tried
 
 
+def useful_throughput(result: SearchResult, num_sequences: int | None) -> float:
+  """The predicted throughput of the run's own sequences' tokens: of `num_sequences` in
+  blocks of the policy's size, the last block's padding rows generate nothing (all of the
+  prediction where the count is not known)."""
+  if num_sequences is None:
+    return result.prediction.throughput
+  block = result.policy.block_size
+  return result.prediction.throughput * num_sequences / (-(-num_sequences // block) * block)
+
+
 def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len,
-           fixed_percents) -> SearchResult | None:
+           fixed_percents, num_sequences) -> SearchResult | None:
   """The best screened candidate whose real plan (steps compiled at their shapes) fits. That
   plan may move data further down than the estimate did; a candidate it slows below the tie is
   kept aside while the next is checked."""
+  def rate(r: SearchResult) -> float:
+    return useful_throughput(r, num_sequences)
+
   checked: list[SearchResult] = []
-  top = max((r.prediction.throughput for r in found), default=0.0)
-  for best in _ranked(found)[:MAX_CHECKED]:
+  top = max(map(rate, found), default=0.0)
+  for best in _ranked(found, rate)[:MAX_CHECKED]:
     policy, plan = _repair(planner, best.policy, budgets, prompt_len, gen_len,
                            fixed=fixed_percents, estimate=False)
     if policy is not None:
       prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
                                       gen_len=gen_len, planner=planner)
       checked.append(SearchResult(policy, prediction, plan, 0, 0.0))
-      if prediction.throughput >= (1 - TIE) * top:
+      if rate(checked[-1]) >= (1 - TIE) * top:
         break
   if not checked:
     return None
-  best = max(checked, key=lambda r: r.prediction.throughput)
-  if checked[-1].prediction.throughput >= (1 - TIE) * top:
+  best = max(checked, key=rate)
+  if rate(checked[-1]) >= (1 - TIE) * top:
     best = checked[-1]
   return best
 
 
-def _ranked(found: list[SearchResult]) -> list[SearchResult]:
-  """Candidates best first: those within TIE of the highest predicted throughput (the model's
-  resolution; a disk-bound decode predicts the same time for any batch geometry) by fewest GPU
-  batches, then largest GPU batch (fewer, larger steps: less per-step work the model does not
-  see), then the rest by predicted throughput."""
+def _ranked(found: list[SearchResult],
+            rate=lambda r: r.prediction.throughput) -> list[SearchResult]:
+  """Candidates best first by `rate` (their predicted throughput): those within TIE of the
+  highest (the model's resolution; a disk-bound decode predicts the same time for any batch
+  geometry) by fewest GPU batches, then largest GPU batch (fewer, larger steps: less per-step
+  work the model does not see), then the rest by rate."""
   if not found:
     return []
-  top = max(r.prediction.throughput for r in found)
-  near = [r for r in found if r.prediction.throughput >= (1 - TIE) * top]
-  rest = [r for r in found if r.prediction.throughput < (1 - TIE) * top]
-  near.sort(key=lambda r: (r.policy.num_gpu_batches, -r.policy.gpu_batch_size,
-                           -r.prediction.throughput))
-  return near + sorted(rest, key=lambda r: -r.prediction.throughput)
+  top = max(map(rate, found))
+  near = [r for r in found if rate(r) >= (1 - TIE) * top]
+  rest = [r for r in found if rate(r) < (1 - TIE) * top]
+  near.sort(key=lambda r: (r.policy.num_gpu_batches, -r.policy.gpu_batch_size, -rate(r)))
+  return near + sorted(rest, key=lambda r: -rate(r))
 
 
 def _shortfall(planner, template, budgets, prompt_len, gen_len) -> str:

@@ -49,9 +49,10 @@ def pipeline_seconds(prefill_s, decode_s, num_batches: int) -> tuple[float, floa
 
 
 def best_shape(shapes: list[tuple[int, int]], stages: list[list[tuple[bool, float, float]]],
-               gen_len: int) -> int | None:
+               gen_len: int, num_sequences: int | None = None) -> int | None:
   """Index of the block shape (gpu_batch_size, num_gpu_batches) with the highest predicted
-  pipeline throughput among those every stage fits; None if there is none.
+  pipeline throughput among those every stage fits (of `num_sequences` sequences' tokens where
+  the run knows how many: a last block's padding rows generate nothing); None if there is none.
 
   stages[p][j]: whether stage p fits shape j, and its predicted (prefill, decode) seconds of a
   block of that shape.
@@ -62,7 +63,10 @@ def best_shape(shapes: list[tuple[int, int]], stages: list[list[tuple[bool, floa
       continue
     prefill, decode = pipeline_seconds([stage[j][1] for stage in stages],
                                        [stage[j][2] for stage in stages], nb)
-    rate = gbs * nb * gen_len / max(prefill + decode, 1e-9)
+    block = gbs * nb
+    blocks, useful = (1, block) if num_sequences is None else (-(-num_sequences // block),
+                                                               num_sequences)
+    rate = useful * gen_len / max(blocks * (prefill + decode), 1e-9)
     if rate > best_rate:
       best, best_rate = j, rate
   return best
@@ -80,17 +84,19 @@ def agree(link: Link, process_id: int, error: FlexjaxError | None, what: str) ->
   raise OtherStageFailed(f'stage {first} {what}')
 
 
-def _search(rc, st, prompt_len: int, gen_len: int, shape=None):
+def _search(rc, st, prompt_len: int, gen_len: int, num_sequences: int | None, shape=None):
   kw = {} if shape is None else dict(gpu_batch_sizes=[shape[0]], num_gpu_batches=[shape[1]])
   found = search.search(st.cfg, st.profile, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
                         sizes=st.planner.sizes, planner=st.planner, template=rc.policy,
                         max_block_seconds=rc.max_block_seconds,
-                        max_block_size=rc.max_block_size, **kw)
+                        max_block_size=rc.max_block_size, num_sequences=num_sequences, **kw)
   return found.policy, found.prediction
 
 
-def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_len: int):
-  """This stage's policy and prediction.
+def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_len: int,
+                  num_sequences: int | None = None):
+  """This stage's policy and prediction (for `num_sequences` sequences where the run knows
+  how many: see search.search).
 
   Given by flags: the flags' (the same block shape everywhere). --policy=auto: every stage
   searches the best policy for its own layers within its own budgets; as micro-batches stream
@@ -101,10 +107,10 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
   from flexjax import run as run_lib
   if rc.policy_mode != 'auto':
     return run_lib.choose_policy(rc, st.cfg, st.planner, st.budgets, st.profile, prompt_len,
-                                 gen_len)
+                                 gen_len, num_sequences=num_sequences)
   error, own = None, None
   try:
-    own = _search(rc, st, prompt_len, gen_len)
+    own = _search(rc, st, prompt_len, gen_len, num_sequences)
   except FlexjaxError as e:
     error = e
   agree(link, process_id, error, 'has no policy within its budgets')
@@ -114,7 +120,7 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
   for shape in shapes:
     try:
       found = own if shape == (own[0].gpu_batch_size, own[0].num_gpu_batches) else _search(
-          rc, st, prompt_len, gen_len, shape)
+          rc, st, prompt_len, gen_len, num_sequences, shape)
     except FlexjaxError:
       found = None
     options.append(found)
@@ -122,7 +128,7 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
                                             round(found[1].decode_s * 1e6)]
   every = link.gather(row, process_id).reshape(-1, len(shapes), 3)
   best = best_shape(shapes, [[(bool(f), pre / 1e6, dec / 1e6) for f, pre, dec in stage]
-                             for stage in every], gen_len)
+                             for stage in every], gen_len, num_sequences)
   if best is None:
     raise FlexjaxError(f'no block shape fits every stage: the stages chose {shapes} '
                        '(gpu_batch_size, num_gpu_batches) and each fails on some stage; give '
@@ -175,8 +181,9 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
   cfg = st.source.source.config  # the whole model's
   prompts, texts, prompt_len = _prompts(rc, cfg, st.tokenizer)
   gen_len = rc.generation.gen_len
-  policy, prediction = choose_policy(rc, st, link, process_id, prompt_len=prompt_len,
-                                     gen_len=gen_len)
+  policy, prediction = choose_policy(
+      rc, st, link, process_id, prompt_len=prompt_len, gen_len=gen_len,
+      num_sequences=rc.num_prompts if prompts is None else len(prompts))
   head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                       gen_len=gen_len)
   rows = link.gather(_policy_row(policy, prediction), process_id)

@@ -151,10 +151,12 @@ def test_the_checkpoint_examples_run_on_a_tiny_model(pre_ln, workdir):
   _run(_sub(by_key('flexjax.main --prompt_file'), **{'--gen_len=64': '--gen_len=8'}), workdir)
   assert len((workdir / 'generations.jsonl').read_text().splitlines()) == 2
   (workdir / 'rows.jsonl').write_text(code_blocks('jsonl')[0])
-  _run(_sub(by_key('flexjax.main --input'), **{'--gen_len=32': '--gen_len=16'})
-       + [f'--hw_profile={CPU_PROFILE}'], workdir)
+  proc = _run(_sub(by_key('flexjax.main --input'), **{'--gen_len=32': '--gen_len=16'})
+              + [f'--hw_profile={CPU_PROFILE}'], workdir)
   lines = (workdir / 'out.jsonl').read_text().splitlines()
   assert len(lines) == 3 and all('"error": null' in line for line in lines)
+  shape = re.search(r'policy: (\d+)x(\d+) ', proc.stdout)
+  assert int(shape[1]) * int(shape[2]) <= 4, proc.stdout  # the searched block fits three rows
   python = code_blocks('python')[0].replace('print(', 'print("GENERATED", ')
   proc = _run(['python', '-c', python], workdir)
   assert 'GENERATED' in proc.stdout

@@ -269,6 +269,31 @@ def test_ranking_takes_fewer_gpu_batches_within_the_tie_only():
   assert [r.policy.num_gpu_batches for r in ranked] == [8, 1]
 
 
+def test_a_known_number_of_sequences_bounds_the_block_and_ranks_by_their_tokens():
+  """Five sequences: no block past the smallest that holds them all (8) is screened; blocks
+  are ranked by the five's tokens (a last block's padding rows generate nothing)."""
+  from flexjax.search import SearchResult, _ranked, useful_throughput
+  grid = dict(gpu_batch_sizes=(2, 8, 16), num_gpu_batches=(1,), cpu_attention=(False,))
+  budgets = {'device': 10 * GIB, 'host': 10 * GIB, 'disk': 10 * GIB}
+  five = search(TINY, toy_hardware(), budgets, prompt_len=16, gen_len=8, sizes=FP32,
+                num_sequences=5, **grid)
+  assert five.policy.block_size <= 8 and five.candidates == 2  # 16 rows: not screened
+  with pytest.raises(FlexjaxError, match='num_sequences=0'):
+    search(TINY, toy_hardware(), budgets, prompt_len=16, gen_len=8, sizes=FP32,
+           num_sequences=0, **grid)
+
+  def result(gbs, tok_s):
+    prediction = cost_model.Prediction(prefill_s=1.0, decode_s=1.0, throughput=tok_s,
+                                       peak_bytes={})
+    return SearchResult(Policy(gpu_batch_size=gbs), prediction, {}, 0, 0.0)
+
+  four, two = result(4, 10.0), result(2, 9.0)
+  assert useful_throughput(two, 3) == pytest.approx(9.0 * 3 / 4)  # two blocks, one pad row
+  assert useful_throughput(four, None) == 10.0
+  for n, first in ((3, four), (2, two), (None, four)):
+    assert _ranked([two, four], lambda r: useful_throughput(r, n))[0] is first, n
+
+
 @pytest.mark.parametrize('batch,prompt_len', [(8, 512), (16, 128)])
 def test_estimated_step_bytes_follow_the_compiled_ones_past_the_cast(batch, prompt_len):
   """A batch whose prompt products run against the whole cast matrix (linear.CAST_ALL_ROWS rows
