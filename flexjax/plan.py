@@ -808,10 +808,11 @@ class Planner:
 
   def working(self, policy: Policy, *, rows: int, device_rows: int, cpu_attention: bool,
               prompt_len: int, gen_len: int, temperature: float = 0.0,
-              top_p: float = 1.0, compile: bool = False) -> dict:
+              top_p: float = 1.0, compile: bool = False, quick: bool = False) -> dict:
     """XLA bytes per step kind at these shapes, measured once per planner by compiling the
     steps (steps.Steps.working_memory). `compile`: the run's warm-up, whose executables must be
-    live: compiled again where `release_compiled` freed them."""
+    live: compiled again where `release_compiled` freed them. `quick`: compiled for the bytes
+    alone (the screening estimate's; never a run's executables)."""
     from flexjax.steps import Geometry
     totals = weight_totals(self.cfg, policy, self.sizes)
     largest_tensor = None
@@ -822,13 +823,13 @@ class Planner:
     geom = Geometry(rows=rows, device_rows=device_rows, cpu_attention=cpu_attention,
                     prompt_len=prompt_len, total_len=prompt_len + gen_len - 1)
     key = (_approximations(policy), geom, temperature, top_p, totals.largest_load,
-           largest_tensor)
+           largest_tensor, quick)
     if key not in self._working or compile and key not in self._compiled:
       working = self.steps(policy).working_memory(
           params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes(),
                              prompt_ids=rows * prompt_len, step_ids=rows * prompt_len),
           geom=geom, temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
-          largest_tensor=largest_tensor)
+          largest_tensor=largest_tensor, quick=quick)
       if not self.library_runs:  # XLA:CPU's library fusions do not run on the target
         working = {k: dataclasses.replace(v, library=0) for k, v in working.items()}
       self._working[key] = {k: v.scaled(self.scale) for k, v in working.items()}
@@ -876,7 +877,7 @@ class Planner:
     fits = []
     for rows in (low, low + 1):
       kw = dict(rows=rows, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
-                top_p=top_p)
+                top_p=top_p, quick=True)
       on_device = step_bytes(self.working(policy, device_rows=rows, cpu_attention=False, **kw))
       if policy.cpu_attention:
         on_cpu = step_bytes(self.working(policy, device_rows=0, cpu_attention=True, **kw))

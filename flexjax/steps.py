@@ -108,16 +108,30 @@ class _Run:
     return jax.device_put(tree, device)
 
 
+# XLA:CPU without LLVM's optimisation of the generated code: the buffers, and so the memory
+# analysis, are those of the optimised HLO as in a run's compile (the same bytes for every step
+# of opt-6.7b's plans), at ~60% of the compile time. For compiles whose bytes alone are wanted.
+QUICK_CPU_OPTIONS = {'xla_backend_optimization_level': 0}
+
+
 class _Compile:
   """Compiles step functions at argument specs instead of calling them (the plan's mode): keeps
-  XLA's bytes of each call per backend and returns its outputs as specs."""
+  XLA's bytes of each call per backend and returns its outputs as specs. `quick`: compiles for
+  the bytes alone, never run (QUICK_CPU_OPTIONS on a CPU backend)."""
 
-  def __init__(self, devices: dict[str, jax.Device]):
+  def __init__(self, devices: dict[str, jax.Device], quick: bool = False):
     self.devices = devices
+    self.quick = quick
     self.parts: dict[str, list[StepMemory]] = {name: [] for name in devices}
 
+  def compile(self, fn, *args, on: str = 'device', **static):
+    lowered = fn.lower(*args, **static)
+    if self.quick and self.devices[on].platform == 'cpu':
+      return lowered.compile(compiler_options=QUICK_CPU_OPTIONS)
+    return lowered.compile()
+
   def __call__(self, fn, *args, on: str = 'device', **static):
-    compiled = fn.lower(*args, **static).compile()
+    compiled = self.compile(fn, *args, on=on, **static)
     self.parts[on].append(StepMemory.of(compiled))
     return self.move(compiled.out_info, self.devices[on])
 
@@ -265,7 +279,8 @@ class Steps:
   # ---- working memory ---------------------------------------------------------------------------
   def working_memory(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
                      top_p: float, largest_load: tuple | None = None,
-                     largest_tensor: tuple[int, ...] | None = None) -> dict[str, StepMemory]:
+                     largest_tensor: tuple[int, ...] | None = None,
+                     quick: bool = False) -> dict[str, StepMemory]:
     """Compiles the functions a run calls, at its real shapes and with the shardings its
     arguments have there, and returns XLA's bytes per step kind: every layer step as the run
     calls it (`prefill_step`, `decode_step`), the embedding and the head at the prompt's shapes,
@@ -282,6 +297,8 @@ class Steps:
         loaded, or None when no packed tensor is loaded.
       largest_tensor: shape of the largest weight matrix, quantized on the CPU backend while
         weights are placed (compress_weight), else None.
+      quick: for the bytes alone (the search's screening; QUICK_CPU_OPTIONS): the run's calls
+        do not find these compilations.
     Returns:
       {'embed', 'prefill', 'decode', 'head', 'cpu_attention', 'load', 'place'}: bytes of one
       call, where a step made of parts sums their outputs and takes their largest temporary.
@@ -291,15 +308,16 @@ class Steps:
     on = lambda tree: jax.tree.map(lambda a: _spec(a.shape, a.dtype, self.device), tree)
     spec = lambda shape, dtype: _spec(shape, dtype, self.device)
     params = {kind: on(tree) for kind, tree in params.items()}
+    compile_ = self._compiler(quick)
     out = {}
     out['embed'] = _analyse(self.embed, params['embed'], spec((b, s), np.int32),
-                            spec((b, s), np.int32))
-    out['head'] = self._analyse_head(params['head'], spec((b, s, h), cdt), temperature, top_p)
-    compile_ = self._compiler()
+                            spec((b, s), np.int32), compiler=compile_)
+    out['head'] = self._analyse_head(params['head'], spec((b, s, h), cdt), temperature, top_p,
+                                     compiler=compile_)
     self.prefill_step(geom, params['layer'], spec((b, s, h), cdt), self._cache_specs(geom),
                       spec((b, s), bool), call=compile_)
     out['prefill'] = _combine(compile_.parts['device'])
-    compile_ = self._compiler()
+    compile_ = self._compiler(quick)
     self.decode_step(geom, params['layer'], spec((b, 1, h), cdt), self._cache_specs(geom),
                      self._input_specs(geom), self._loaded_specs(geom), self._gather_spec(geom),
                      call=compile_)
@@ -307,8 +325,10 @@ class Steps:
     out['cpu_attention'] = _combine(compile_.parts['cpu'])
     out['place'] = StepMemory(0, 0)
     if largest_tensor is not None:
-      out['place'] = _analyse(self.quantize, _spec(largest_tensor, self.storage, self.cpu))
-    out['load'] = StepMemory(0, 0) if largest_load is None else self.analyse_load(*largest_load)
+      out['place'] = _analyse(self.quantize, _spec(largest_tensor, self.storage, self.cpu),
+                              compiler=compile_, on='cpu')
+    out['load'] = (StepMemory(0, 0) if largest_load is None
+                   else self.analyse_load(*largest_load, compiler=compile_))
     return out
 
   def compile_rest(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
@@ -324,17 +344,19 @@ class Steps:
     for shape, dim in loads:
       self.analyse_load(shape, dim)
 
-  def _compiler(self) -> _Compile:
-    return _Compile({'device': self.device, 'cpu': self.cpu})
+  def _compiler(self, quick: bool = False) -> _Compile:
+    return _Compile({'device': self.device, 'cpu': self.cpu}, quick=quick)
 
-  def _analyse_head(self, params, x, temperature, top_p) -> StepMemory:
+  def _analyse_head(self, params, x, temperature, top_p, compiler=None) -> StepMemory:
     counters = _spec((x.shape[0], 2), np.uint32, self.device)
-    return _analyse(self.head, params, x, counters, temperature=temperature, top_p=top_p)
+    return _analyse(self.head, params, x, counters, compiler=compiler, temperature=temperature,
+                    top_p=top_p)
 
-  def analyse_load(self, shape: tuple[int, ...], dim: int) -> StepMemory:
+  def analyse_load(self, shape: tuple[int, ...], dim: int, compiler=None) -> StepMemory:
     """Compiles the dequantization of a loaded tensor packed as `shape` (uint8 rows)."""
     stored = _spec(shape, np.uint8, self.device)
-    return _analyse(self.dequantize, quant_lib.Packed(stored, dim, self.policy.quant))
+    return _analyse(self.dequantize, quant_lib.Packed(stored, dim, self.policy.quant),
+                    compiler=compiler)
 
   def _cache_specs(self, geom: Geometry):
     entry, edt = self.cache_entry()
@@ -510,8 +532,12 @@ def _spec(shape, dtype, device: jax.Device | None = None) -> jax.ShapeDtypeStruc
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _analyse(fn, *args, **static) -> StepMemory:
-  return StepMemory.of(fn.lower(*args, **static).compile())
+def _analyse(fn, *args, compiler: _Compile | None = None, on: str = 'device',
+             **static) -> StepMemory:
+  """XLA's bytes of one call of `fn`, compiled by `compiler` (else as a run compiles it)."""
+  if compiler is None:
+    return StepMemory.of(fn.lower(*args, **static).compile())
+  return StepMemory.of(compiler.compile(fn, *args, on=on, **static))
 
 
 def _combine(parts: list[StepMemory]) -> StepMemory:

@@ -294,6 +294,26 @@ def test_a_known_number_of_sequences_bounds_the_block_and_ranks_by_their_tokens(
     assert _ranked([two, four], lambda r: useful_throughput(r, n))[0] is first, n
 
 
+def test_the_screenings_quick_compiles_report_the_bytes_of_a_runs_compiles():
+  """The screening estimate compiles without LLVM's optimisation of the generated code
+  (steps.QUICK_CPU_OPTIONS): XLA reports the same bytes as for the steps a run compiles, with
+  device and CPU attention, compressed weights and cache, and prompt products of
+  linear.LIBRARY_ROWS rows (oneDNN's scratch included)."""
+  cfg = ModelConfig(name='mid', num_layers=1, hidden_size=128, num_heads=4, ffn_dim=256,
+                    vocab_size=1000, max_positions=1024)
+  planner = plan_lib.Planner.for_sizes(cfg, plan_lib.Itemsizes(2, 4, 4), device_is_host=True)
+  assert 8 * 512 >= linear.LIBRARY_ROWS
+  for policy in (Policy(gpu_batch_size=8, cache_gpu_percent=0, cache_cpu_percent=100,
+                        cpu_attention=True),
+                 Policy(gpu_batch_size=8, w_gpu_percent=0, w_cpu_percent=100,
+                        compress_weight=True, compress_cache=True)):
+    kw = dict(rows=8, device_rows=policy.rows('cache')['device'],
+              cpu_attention=policy.cpu_attention, prompt_len=512, gen_len=4)
+    quick, full = planner.working(policy, quick=True, **kw), planner.working(policy, **kw)
+    assert quick == full, policy.describe()
+    assert full['prefill'].library > 0 and full['decode'].temp > 0
+
+
 @pytest.mark.parametrize('batch,prompt_len', [(8, 512), (16, 128)])
 def test_estimated_step_bytes_follow_the_compiled_ones_past_the_cast(batch, prompt_len):
   """A batch whose prompt products run against the whole cast matrix (linear.CAST_ALL_ROWS rows
