@@ -179,6 +179,22 @@ def test_disk_probe_errors_name_the_value(tmp_path):
     roofline.disk_bandwidth(str(tmp_path), file_bytes=2**60)
 
 
+def test_the_matmul_size_grows_to_the_target_time_without_overshooting_it():
+  """A matmul whose run takes (n / 1024)^3 * 40 ms: n grows from 512 to the size whose run
+  first takes 50 ms, not doubled past it to 2048 (320 ms a run)."""
+  import time
+  sizes = []
+
+  def run_at(n):
+    sizes.append(n)
+    return lambda: time.sleep((n / 1024) ** 3 * 0.04)
+
+  rate, n = roofline._grow_and_time(run_at, start_n=512, target_s=0.05)
+  assert sizes[0] == 512 and sizes == sorted(sizes) and all(s % 256 == 0 for s in sizes[1:])
+  assert (n / 1024) ** 3 * 0.04 >= 0.05 and n < 2048, sizes
+  assert rate == pytest.approx(2 * n**3 / ((n / 1024) ** 3 * 0.04), rel=0.3)
+
+
 def test_measure_rates_on_small_sizes(tmp_path):
   rates = roofline.measure_rates(folder=str(tmp_path), file_bytes=2**20, chunk_bytes=2**18,
                                  matmul_max_n=128, copy_bytes=2**20)

@@ -58,7 +58,9 @@ ALIGN = diskio.BLOCK  # O_DIRECT offsets, lengths and buffers
 def _grow_and_time(run_at: Callable[[int], Callable[[], Any]], *, start_n: int = 512,
                    max_n: int = 8192, target_s: float = 0.25,
                    repeats: int = 3) -> tuple[float, int]:
-  """FLOP/s of an n x n x n matmul, n doubled until one run takes target_s (or max_n).
+  """FLOP/s of an n x n x n matmul, n grown until one run takes target_s (or max_n): each
+  step to the size the last run's rate says takes target_s (at least 1.25x; a multiple of
+  256), not a doubling that overshoots it up to eightfold.
   run_at(n) prepares operands and returns a function that runs the matmul once and waits."""
   n = min(start_n, max_n)
   while True:
@@ -67,7 +69,8 @@ def _grow_and_time(run_at: Callable[[int], Callable[[], Any]], *, start_n: int =
     one = best_seconds(fn, 1)
     if one >= target_s or n >= max_n:
       return 2 * n**3 / min(one, best_seconds(fn, max(1, repeats - 1))), n
-    n *= 2
+    grow = max(1.25, (target_s / max(one, 1e-9)) ** (1 / 3))
+    n = min(max_n, -(-int(n * grow) // 256) * 256)
 
 
 def jax_matmul_rate(dtype: str, *, device=None, **grow) -> tuple[float, int]:
