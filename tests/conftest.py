@@ -58,6 +58,19 @@ def pytest_configure(config):
                     int(TEST_COMPILE_CACHE['JAX_COMPILATION_CACHE_MAX_SIZE']))
 
 
+# The test files that take longest (most time first, as measured in CI's run): xdist hands whole
+# files to its two workers in collection order, so these start first and the short files fill
+# the end of the run on both workers, rather than one long file running alone at the end.
+LONG_FILES = ('test_readme.py', 'test_fuzz_placement.py', 'test_cli.py', 'test_gguf.py',
+              'test_memcheck.py', 'test_pipeline.py', 'test_dispatch.py', 'test_approx.py',
+              'test_job.py', 'test_offload.py', 'test_search.py')
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONG_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 def pytest_unconfigure(config):
   folder = config.stash.get(_COMPILE_CACHE_KEY, None)
   if folder:

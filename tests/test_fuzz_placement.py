@@ -24,7 +24,9 @@ JOB_SEEDS = (29, 149)
 SLOW_JOB_SEEDS = (7, 19, 26)
 
 # a pipeline of three processes, every tier partly on disk, no overlap, CPU attention, FlexGen's
-# placement, sampled (`python -m tools.fuzz_placement --mode=pipeline` draws more)
+# placement, sampled (`python -m tools.fuzz_placement --mode=pipeline` draws more). Run with -m
+# slow (90 s in CI): each stage's placement is what the drawn placements above check in one
+# process, and tests/test_pipeline.py runs three offloaded stages against one process.
 PIPELINE_SEED = 103
 
 
@@ -108,6 +110,7 @@ def test_a_jobs_outputs_tell_other_weights_apart(tmp_path):
   assert any(a['output_tokens'] != b['output_tokens'] for a, b in zip(*outputs))
 
 
+@pytest.mark.slow
 def test_a_drawn_pipeline_reproduces_one_process():
   case = fuzz_placement.draw_pipeline_case(PIPELINE_SEED)
   assert case.stages == 3 and tiers_on_disk([case.policy]) == {'w', 'cache', 'act'}
