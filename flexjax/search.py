@@ -264,14 +264,18 @@ def _screen(cfg, hw, budgets, *, sizes, planner, template, prompt_len, gen_len, 
   return found, tried
 
 
-def useful_throughput(result: SearchResult, num_sequences: int | None) -> float:
-  """The predicted throughput of the run's own sequences' tokens: of `num_sequences` in
-  blocks of the policy's size, the last block's padding rows generate nothing (all of the
-  prediction where the count is not known)."""
+def sequence_share(num_sequences: int | None, block: int) -> float:
+  """Of the rows that blocks of `block` rows run for `num_sequences` sequences, the share
+  that are those sequences (a last, part-filled block's padding rows generate nothing); 1 where
+  the count is not known."""
   if num_sequences is None:
-    return result.prediction.throughput
-  block = result.policy.block_size
-  return result.prediction.throughput * num_sequences / (-(-num_sequences // block) * block)
+    return 1.0
+  return num_sequences / (-(-num_sequences // block) * block)
+
+
+def useful_throughput(result: SearchResult, num_sequences: int | None) -> float:
+  """The predicted throughput of the run's own sequences' tokens (sequence_share)."""
+  return result.prediction.throughput * sequence_share(num_sequences, result.policy.block_size)
 
 
 def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len,

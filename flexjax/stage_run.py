@@ -63,10 +63,8 @@ def best_shape(shapes: list[tuple[int, int]], stages: list[list[tuple[bool, floa
       continue
     prefill, decode = pipeline_seconds([stage[j][1] for stage in stages],
                                        [stage[j][2] for stage in stages], nb)
-    block = gbs * nb
-    blocks, useful = (1, block) if num_sequences is None else (-(-num_sequences // block),
-                                                               num_sequences)
-    rate = useful * gen_len / max(blocks * (prefill + decode), 1e-9)
+    rate = (gbs * nb * gen_len / max(prefill + decode, 1e-9)
+            * search.sequence_share(num_sequences, gbs * nb))
     if rate > best_rate:
       best, best_rate = j, rate
   return best

@@ -77,6 +77,17 @@ def test_three_stages_offloaded_equal_one_process(four_layers, tmp_path):
   assert report['stage1']['planned_disk_peak_bytes'] > 0  # half the weights stream from disk
 
 
+def test_the_common_block_shape_is_ranked_by_the_runs_own_sequences():
+  """Two stages that fit both shapes: 4 rows in 2.4 s beat 2 rows in 2.0 s, unless the run has
+  only two sequences (half of the 4-row block would be padding)."""
+  from flexjax.stage_run import best_shape
+  shapes = [(2, 1), (4, 1)]
+  stages = [[(True, 0.5, 0.5), (True, 0.6, 0.6)]] * 2
+  assert best_shape(shapes, stages, 8) == 1
+  assert best_shape(shapes, stages, 8, num_sequences=2) == 0
+  assert best_shape(shapes, stages, 8, num_sequences=4) == 1
+
+
 def test_searched_stage_policies_share_one_block_shape(four_layers, tmp_path):
   """--policy=auto: each stage searches its own layers within its budgets, the stages run one
   block shape, and the tokens equal one process's with that shape."""
