@@ -137,6 +137,43 @@ def load_prompts(path: str, cfg: config_lib.ModelConfig, tokenizer: Tokenizer | 
   return prompts, texts
 
 
+@dataclasses.dataclass
+class RunPrompts:
+  """A run's prompts: a prompt file's (token ids and texts), or synthetic ones made once the
+  policy's block size is known. `count` is the number of sequences where known before the
+  policy (a prompt file's, --num_prompts), else None."""
+  tokens: list[list[int]] | None
+  texts: list[str | None] | None
+  length: int
+  count: int | None
+
+  def for_policy(self, cfg: config_lib.ModelConfig, policy: Policy, seed: int):
+    """(token ids, texts) to run: the file's, or `count` (else one block of) synthetic ones."""
+    if self.tokens is not None:
+      return self.tokens, self.texts
+    tokens = synthetic_prompts(cfg, self.count or policy.block_size, self.length, seed=seed)
+    return tokens, [None] * len(tokens)
+
+
+def run_prompts(rc: RunConfig, cfg: config_lib.ModelConfig,
+                tokenizer: Tokenizer | None) -> RunPrompts:
+  """The run's prompts (`RunPrompts`), their length checked against the model's positions."""
+  if rc.prompt_file:
+    tokens, texts = load_prompts(rc.prompt_file, cfg, tokenizer, chat=rc.chat)
+    prompts = RunPrompts(tokens, texts, max(len(p) for p in tokens), len(tokens))
+  else:
+    if rc.prompt_len > cfg.max_positions:
+      raise FlexjaxError(f'--prompt_len={rc.prompt_len} exceeds the {cfg.max_positions} '
+                         f'positions of {cfg.name}; use a shorter prompt')
+    prompts = RunPrompts(None, None, rc.prompt_len, rc.num_prompts)
+  total = prompts.length + rc.generation.gen_len - 1
+  if total > cfg.max_positions:
+    raise FlexjaxError(f'prompt ({prompts.length} tokens) plus --gen_len={rc.generation.gen_len} '
+                       f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
+                       'shorten one of them')
+  return prompts
+
+
 def device_memory_bytes(device) -> int | None:
   """Free memory of a device: the accelerator's limit, or the host's available RAM on CPU."""
   stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
@@ -353,32 +390,16 @@ def run(rc: RunConfig) -> dict[str, Any]:
     return job_lib.run_job(rc)
   st = setup(rc)
   cfg, tokenizer = st.cfg, st.tokenizer
-  num_sequences = rc.num_prompts  # synthetic prompts: one block of the policy's unless given
-  if rc.prompt_file:
-    prompts, texts = load_prompts(rc.prompt_file, cfg, tokenizer, chat=rc.chat)
-    prompt_len, num_sequences = max(len(p) for p in prompts), len(prompts)
-  else:
-    if rc.prompt_len > cfg.max_positions:
-      raise FlexjaxError(f'--prompt_len={rc.prompt_len} exceeds the {cfg.max_positions} '
-                         f'positions of {cfg.name}; use a shorter prompt')
-    prompt_len = rc.prompt_len
-  total = prompt_len + rc.generation.gen_len - 1
-  if total > cfg.max_positions:
-    raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
-                       f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
-                       'shorten one of them')
-  policy, prediction = choose_policy(rc, cfg, st.planner, st.budgets, st.profile, prompt_len,
-                                     num_sequences=num_sequences)
-  head, problem = plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
+  given = run_prompts(rc, cfg, tokenizer)
+  policy, prediction = choose_policy(rc, cfg, st.planner, st.budgets, st.profile, given.length,
+                                     num_sequences=given.count)
+  head, problem = plan_report(rc, st, policy, prediction, prompt_len=given.length,
                               gen_len=rc.generation.gen_len)
   if rc.dry_run:
     return head
   if problem is not None:
     raise problem
-  if not rc.prompt_file:
-    prompts = synthetic_prompts(cfg, rc.num_prompts or policy.block_size, prompt_len,
-                                seed=rc.generation.seed)
-    texts = [None] * len(prompts)
+  prompts, texts = given.for_policy(cfg, policy, seed=rc.generation.seed)
   with engine_for(rc, st, policy) as engine:
     result = engine.generate(prompts, rc.generation)
   measured = st.watch.peaks()

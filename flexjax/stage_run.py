@@ -177,11 +177,12 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
   st = run_lib.setup(rc, wrap=wrap)
   st.budgets = stage_budgets(rc.budgets or {}, st.budgets, processes_per_host)
   cfg = st.source.source.config  # the whole model's
-  prompts, texts, prompt_len = _prompts(rc, cfg, st.tokenizer)
+  given = run_lib.run_prompts(rc, cfg, st.tokenizer)
+  prompt_len = given.length
   gen_len = rc.generation.gen_len
   policy, prediction = choose_policy(
       rc, st, link, process_id, prompt_len=prompt_len, gen_len=gen_len,
-      num_sequences=rc.num_prompts if prompts is None else len(prompts))
+      num_sequences=given.count)
   head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                       gen_len=gen_len)
   rows = link.gather(_policy_row(policy, prediction), process_id)
@@ -191,10 +192,7 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
     agree(link, process_id, error, "does not fit its budgets; no stage allocated anything")
   result = engine = None
   if not rc.dry_run:
-    if not rc.prompt_file:
-      prompts = run_lib.synthetic_prompts(cfg, rc.num_prompts or policy.block_size, prompt_len,
-                                          seed=rc.generation.seed)
-      texts = [None] * len(prompts)
+    prompts, texts = given.for_policy(cfg, policy, seed=rc.generation.seed)
     with StageEngine(st.source, topology, link, policy=policy,
                      compute_dtype=st.compute_dtype, cache_dtype=rc.cache_dtype,
                      device=st.device, budgets=st.budgets, planner=st.planner,
@@ -245,18 +243,3 @@ def _holds(ranges: list[range], q: int) -> str:
   return ' + '.join(parts)
 
 
-def _prompts(rc, cfg, tokenizer):
-  """(prompts or None when synthetic ones are made once the block size is known, their texts,
-  the prompt length), the length checked against the model's positions."""
-  from flexjax import run as run_lib
-  if rc.prompt_file:
-    prompts, texts = run_lib.load_prompts(rc.prompt_file, cfg, tokenizer, chat=rc.chat)
-    prompt_len = max(len(p) for p in prompts)
-  else:
-    prompts, texts, prompt_len = None, None, rc.prompt_len
-  total = prompt_len + rc.generation.gen_len - 1
-  if total > cfg.max_positions:
-    raise FlexjaxError(f'prompt ({prompt_len} tokens) plus --gen_len={rc.generation.gen_len} '
-                       f'needs {total} positions but {cfg.name} has {cfg.max_positions}; '
-                       'shorten one of them')
-  return prompts, texts, prompt_len

@@ -130,6 +130,10 @@ class _Compile:
       return lowered.compile(compiler_options=QUICK_CPU_OPTIONS)
     return lowered.compile()
 
+  def analyse(self, fn, *args, on: str = 'device', **static) -> StepMemory:
+    """XLA's bytes of one call of `fn` (not kept in `parts`)."""
+    return StepMemory.of(self.compile(fn, *args, on=on, **static))
+
   def __call__(self, fn, *args, on: str = 'device', **static):
     compiled = self.compile(fn, *args, on=on, **static)
     self.parts[on].append(StepMemory.of(compiled))
@@ -310,10 +314,10 @@ class Steps:
     params = {kind: on(tree) for kind, tree in params.items()}
     compile_ = self._compiler(quick)
     out = {}
-    out['embed'] = _analyse(self.embed, params['embed'], spec((b, s), np.int32),
-                            spec((b, s), np.int32), compiler=compile_)
+    out['embed'] = compile_.analyse(self.embed, params['embed'], spec((b, s), np.int32),
+                                    spec((b, s), np.int32))
     out['head'] = self._analyse_head(params['head'], spec((b, s, h), cdt), temperature, top_p,
-                                     compiler=compile_)
+                                     compile_)
     self.prefill_step(geom, params['layer'], spec((b, s, h), cdt), self._cache_specs(geom),
                       spec((b, s), bool), call=compile_)
     out['prefill'] = _combine(compile_.parts['device'])
@@ -325,10 +329,10 @@ class Steps:
     out['cpu_attention'] = _combine(compile_.parts['cpu'])
     out['place'] = StepMemory(0, 0)
     if largest_tensor is not None:
-      out['place'] = _analyse(self.quantize, _spec(largest_tensor, self.storage, self.cpu),
-                              compiler=compile_, on='cpu')
+      out['place'] = compile_.analyse(self.quantize, _spec(largest_tensor, self.storage, self.cpu),
+                                      on='cpu')
     out['load'] = (StepMemory(0, 0) if largest_load is None
-                   else self.analyse_load(*largest_load, compiler=compile_))
+                   else self.analyse_load(*largest_load, compile_))
     return out
 
   def compile_rest(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
@@ -338,25 +342,26 @@ class Steps:
     prompt's), and the dequantization of every loaded packed tensor ((packed shape, dim) each)."""
     on = lambda tree: jax.tree.map(lambda a: _spec(a.shape, a.dtype, self.device), tree)
     ids = _spec((geom.rows, 1), np.int32, self.device)
-    _analyse(self.embed, on(params['embed']), ids, ids)
+    compile_ = self._compiler()
+    compile_.analyse(self.embed, on(params['embed']), ids, ids)
     self._analyse_head(on(params['head']), _spec((geom.rows, 1, self.cfg.hidden_size),
-                                                 self.compute, self.device), temperature, top_p)
+                                                 self.compute, self.device), temperature, top_p,
+                       compile_)
     for shape, dim in loads:
-      self.analyse_load(shape, dim)
+      self.analyse_load(shape, dim, compile_)
 
   def _compiler(self, quick: bool = False) -> _Compile:
     return _Compile({'device': self.device, 'cpu': self.cpu}, quick=quick)
 
-  def _analyse_head(self, params, x, temperature, top_p, compiler=None) -> StepMemory:
+  def _analyse_head(self, params, x, temperature, top_p, compiler: _Compile) -> StepMemory:
     counters = _spec((x.shape[0], 2), np.uint32, self.device)
-    return _analyse(self.head, params, x, counters, compiler=compiler, temperature=temperature,
-                    top_p=top_p)
+    return compiler.analyse(self.head, params, x, counters, temperature=temperature,
+                            top_p=top_p)
 
-  def analyse_load(self, shape: tuple[int, ...], dim: int, compiler=None) -> StepMemory:
+  def analyse_load(self, shape: tuple[int, ...], dim: int, compiler: _Compile) -> StepMemory:
     """Compiles the dequantization of a loaded tensor packed as `shape` (uint8 rows)."""
     stored = _spec(shape, np.uint8, self.device)
-    return _analyse(self.dequantize, quant_lib.Packed(stored, dim, self.policy.quant),
-                    compiler=compiler)
+    return compiler.analyse(self.dequantize, quant_lib.Packed(stored, dim, self.policy.quant))
 
   def _cache_specs(self, geom: Geometry):
     entry, edt = self.cache_entry()
@@ -530,14 +535,6 @@ def _write(cache: jax.Array, new: jax.Array, slot) -> jax.Array:
 def _spec(shape, dtype, device: jax.Device | None = None) -> jax.ShapeDtypeStruct:
   sharding = jax.sharding.SingleDeviceSharding(device) if device is not None else None
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def _analyse(fn, *args, compiler: _Compile | None = None, on: str = 'device',
-             **static) -> StepMemory:
-  """XLA's bytes of one call of `fn`, compiled by `compiler` (else as a run compiles it)."""
-  if compiler is None:
-    return StepMemory.of(fn.lower(*args, **static).compile())
-  return StepMemory.of(compiler.compile(fn, *args, on=on, **static))
 
 
 def _combine(parts: list[StepMemory]) -> StepMemory:
