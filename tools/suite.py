@@ -439,19 +439,13 @@ def with_roofline(record: dict[str, Any], rates: dict[str, Any] | None) -> dict[
 
 def measure_rates(cases: Sequence[dict[str, Any]], *, folder: str | None, file_gib: float,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
-  """The roofline's rates for these cases' compute dtypes (torch's too when a peer runs),
-  measured in a fresh process; the disk probe writes its file in `folder` (default: the first
-  case's offload folder)."""
-  dtypes = sorted({c.get('compute_dtype') if c['system'] == 'flexjax' else
-                   c.get('dtype') if c['system'] == 'accelerate' else 'float16' for c in cases})
-  peers = any(c['system'] != 'flexjax' for c in cases)
-  folder = folder or next((c['offload_dir'] for c in cases if c.get('offload_dir')), None)
+  """The roofline's rates for these cases' compute dtypes, measured in a fresh process: jax's
+  matmul rate, and torch's too wherever torch is installed (the roofline takes the faster, so a
+  suite of flexjax rows alone is held to the same rate as one with its peers); the disk probe
+  writes its file in `folder` (default: the first case's offload folder)."""
   with tempfile.TemporaryDirectory(prefix='flexjax-rates-') as tmp:
     out = Path(tmp) / 'rates.json'
-    cmd = [sys.executable, '-m', 'tools.roofline', f'--dtypes={",".join(dtypes)}',
-           f'--file_gib={file_gib}', f'--output={out}', '--torch' if peers else '--notorch']
-    if folder:
-      cmd.append(f'--folder={folder}')
+    cmd = rates_command(cases, folder=folder, file_gib=file_gib, output=out)
     log(f'roofline: measuring rates ({" ".join(cmd[3:])})')
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=_child_env())
@@ -462,6 +456,23 @@ def measure_rates(cases: Sequence[dict[str, Any]], *, folder: str | None, file_g
     rates = json.loads(out.read_text())
   log('roofline: ' + roofline_lib.format_rates(rates).replace('\n', '; '))
   return rates
+
+
+def rates_command(cases: Sequence[dict[str, Any]], *, folder: str | None, file_gib: float,
+                  output: Path) -> list[str]:
+  """The tools.roofline command that measures `measure_rates`' rates into `output`."""
+  dtypes = sorted({c.get('compute_dtype') if c['system'] == 'flexjax' else
+                   c.get('dtype') if c['system'] == 'accelerate' else 'float16' for c in cases})
+  torch = any(c['system'] != 'flexjax' for c in cases) or _installed('torch')
+  folder = folder or next((c['offload_dir'] for c in cases if c.get('offload_dir')), None)
+  return [sys.executable, '-m', 'tools.roofline', f'--dtypes={",".join(dtypes)}',
+          f'--file_gib={file_gib}', f'--output={output}', '--torch' if torch else '--notorch',
+          *([f'--folder={folder}'] if folder else [])]
+
+
+def _installed(module: str) -> bool:
+  import importlib.util
+  return importlib.util.find_spec(module) is not None
 
 
 def _child_env() -> dict[str, str]:
