@@ -154,6 +154,10 @@ class StreamLayout:
     """Whether every file is read with O_DIRECT (False: the filesystem refused it)."""
     return all(f.direct for f in self._files.values())
 
+  def files(self) -> list[Path]:
+    """The layout's stage files, by name."""
+    return sorted(self.folder / f'{stage}.bin' for stage in self._files)
+
   def tensor(self, stage: str, path: tuple[str, ...]) -> StreamTensor:
     if path == ('tokens',):  # stored once, used by two stages
       stage = 'tokens'

@@ -158,12 +158,18 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
     result = engine.generate(prompts, gen)
     rss = host_peak_rss()
     device = f'{engine.device.platform}:{engine.device.device_kind}'
+    files_bw = None
+    if engine.layout is not None and result.disk_weight_bytes.get('decode'):
+      from tools import roofline  # the disk as this run's own weight files read, now
+      files_bw = roofline.files_read_bandwidth(engine.layout.files())
     predicted = _prediction(cfg, policy, profile, engine.sizes, prompt_len, gen_len)
   del engine
   gc.collect()
   return make_record(cfg=cfg, base=base, policy=policy, case=case, page_cache=page_cache,
                      compute_dtype=compute_dtype, prompt_len=prompt_len, gen_len=gen_len,
                      result=result, extra={'device': device, 'host_peak_rss_bytes': rss,
+                                           'decode_weight_stream_bw': result.decode_weight_stream,
+                                           'weight_files_read_bw': files_bw,
                                            'budgets': budgets, 'predicted': predicted,
                                            **(context or run_context())})
 

@@ -281,7 +281,8 @@ def _run_flexjax(cfg, case) -> dict[str, Any]:
   keep = ('num_prompts', 'measured_gen_len', 'projected', 'prefill_s', 'decode_s',
           'measured_decode_s', 'peak_bytes', 'planned_peak_bytes', 'host_peak_rss_bytes',
           'policy', 'policy_fields', 'compute_dtype', 'weight_storage_dtype', 'bytes_moved',
-          'disk_weight_bytes', 'weight_loads_per_stage', 'predicted', 'device', 'breakdown')
+          'disk_weight_bytes', 'weight_loads_per_stage', 'predicted', 'device', 'breakdown',
+          'decode_weight_stream_bw', 'weight_files_read_bw')
   return {'system_version': _flexjax_version(), **{k: record[k] for k in keep}}
 
 
