@@ -164,7 +164,7 @@ class DiskProbe:
   note: str = ''
 
 
-def write_probe_file(path: str, *, file_bytes: int, chunk_bytes: int) -> float:
+def _write_file(path: str, *, file_bytes: int, chunk_bytes: int) -> float:
   """Writes file_bytes of random bytes and fsyncs; returns the seconds it took."""
   block = np.random.default_rng(0).integers(0, 256, chunk_bytes, np.uint8).tobytes()
   start = time.perf_counter()
@@ -183,7 +183,7 @@ def write_probe_file(path: str, *, file_bytes: int, chunk_bytes: int) -> float:
   return time.perf_counter() - start
 
 
-def drop_from_page_cache(path: str) -> None:
+def _drop_from_page_cache(path: str) -> None:
   fd = os.open(path, os.O_RDONLY)
   try:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -210,8 +210,8 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
                        f'{file_bytes / 2**30:.2f} GiB: free space or lower --file_gib')
   with scratch.claim(folder, 'flexjax-disk-probe-') as owned:
     path = str(owned.path / 'probe.bin')
-    write_s = write_probe_file(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes)
-    drop_from_page_cache(path)
+    write_s = _write_file(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes)
+    _drop_from_page_cache(path)
     read_s, direct, note = diskio.read_through(path, file_bytes=file_bytes,
                                                chunk_bytes=chunk_bytes, threads=threads)
     if not direct:
@@ -232,7 +232,7 @@ def files_read_bandwidth(paths, *, limit_bytes: int = 2**30, chunk_bytes: int = 
     size = min(os.path.getsize(path), limit_bytes - done) // ALIGN * ALIGN
     if size <= 0:
       continue
-    drop_from_page_cache(path)
+    _drop_from_page_cache(path)
     took, _, _ = diskio.read_through(path, file_bytes=size, chunk_bytes=chunk_bytes,
                                      threads=threads)
     seconds, done = seconds + took, done + size
