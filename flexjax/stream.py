@@ -156,7 +156,7 @@ class StreamLayout:
 
   def files(self) -> list[Path]:
     """The layout's stage files, by name."""
-    return sorted(self.folder / f'{stage}.bin' for stage in self._files)
+    return sorted(f.path for f in self._files.values())
 
   def tensor(self, stage: str, path: tuple[str, ...]) -> StreamTensor:
     if path == ('tokens',):  # stored once, used by two stages

@@ -61,7 +61,7 @@ def test_records_have_every_field_and_finite_rates(run, base):
         r['measured_decode_s'] * (GEN_LEN - 1) / (r['measured_gen_len'] - 1))
     assert r['peak_bytes']['disk'] > 0  # half the weights live on disk
     # the decode's disk stream, and the weight files' own O_DIRECT read rate beside it
-    assert r['decode_weight_stream_bw'] > 0 and r['weight_files_read_bw'] > 0
+    assert r['disk_weight_bytes']['decode'] > 0 and r['weight_files_read_bw'] > 0
     json.dumps(r)
   by_case = {r['case']: r for r in records if r['page_cache'] == 'warm'}
   assert by_case['block']['policy_fields']['num_gpu_batches'] == base.num_gpu_batches

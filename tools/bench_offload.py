@@ -168,7 +168,6 @@ def run_case(cfg: config_lib.ModelConfig, base: Policy, *, case: str, page_cache
   return make_record(cfg=cfg, base=base, policy=policy, case=case, page_cache=page_cache,
                      compute_dtype=compute_dtype, prompt_len=prompt_len, gen_len=gen_len,
                      result=result, extra={'device': device, 'host_peak_rss_bytes': rss,
-                                           'decode_weight_stream_bw': result.decode_weight_stream,
                                            'weight_files_read_bw': files_bw,
                                            'budgets': budgets, 'predicted': predicted,
                                            **(context or run_context())})

@@ -225,8 +225,9 @@ def files_read_bandwidth(paths, *, limit_bytes: int = 2**30, chunk_bytes: int = 
                          threads: int = 4) -> float | None:
   """Read bandwidth of existing files (a model's weight files, say) read as the engine reads
   weights (diskio.read_through: O_DIRECT where allowed), whole and in order, each dropped from
-  the page cache first, until limit_bytes; None when nothing was read. Where storage serves recently written blocks faster (a virtual disk's cache),
-  disk_bandwidth's fresh file can read several times faster than files written earlier."""
+  the page cache first, until limit_bytes; None when nothing was read. Where storage serves
+  recently written blocks faster (a virtual disk's cache), disk_bandwidth's fresh file can
+  read several times faster than files written earlier."""
   seconds, done = 0.0, 0
   for path in paths:
     size = min(os.path.getsize(path), limit_bytes - done) // ALIGN * ALIGN

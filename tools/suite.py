@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -282,12 +284,11 @@ def _run_flexjax(cfg, case) -> dict[str, Any]:
           'measured_decode_s', 'peak_bytes', 'planned_peak_bytes', 'host_peak_rss_bytes',
           'policy', 'policy_fields', 'compute_dtype', 'weight_storage_dtype', 'bytes_moved',
           'disk_weight_bytes', 'weight_loads_per_stage', 'predicted', 'device', 'breakdown',
-          'decode_weight_stream_bw', 'weight_files_read_bw')
+          'weight_files_read_bw')
   return {'system_version': _flexjax_version(), **{k: record[k] for k in keep}}
 
 
 def _flexjax_version() -> str:
-  import importlib.metadata
   try:
     return importlib.metadata.version('flexjax')
   except importlib.metadata.PackageNotFoundError:
@@ -464,16 +465,12 @@ def rates_command(cases: Sequence[dict[str, Any]], *, folder: str | None, file_g
   """The tools.roofline command that measures `measure_rates`' rates into `output`."""
   dtypes = sorted({c.get('compute_dtype') if c['system'] == 'flexjax' else
                    c.get('dtype') if c['system'] == 'accelerate' else 'float16' for c in cases})
-  torch = any(c['system'] != 'flexjax' for c in cases) or _installed('torch')
+  torch = (any(c['system'] != 'flexjax' for c in cases)
+           or importlib.util.find_spec('torch') is not None)
   folder = folder or next((c['offload_dir'] for c in cases if c.get('offload_dir')), None)
   return [sys.executable, '-m', 'tools.roofline', f'--dtypes={",".join(dtypes)}',
           f'--file_gib={file_gib}', f'--output={output}', '--torch' if torch else '--notorch',
           *([f'--folder={folder}'] if folder else [])]
-
-
-def _installed(module: str) -> bool:
-  import importlib.util
-  return importlib.util.find_spec(module) is not None
 
 
 def _child_env() -> dict[str, str]:
