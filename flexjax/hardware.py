@@ -113,6 +113,44 @@ def _interpolate(table: dict[int, float], rows: int) -> float:
 GPU_PLATFORMS = ('gpu', 'cuda', 'rocm')
 
 
+VECTOR_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')
+
+
+def cpu_info() -> tuple[str | None, list[str]]:
+  """The CPU's model name and which of VECTOR_FLAGS it has (matmul rates depend on them: the
+  same VM type runs on CPUs with and without AVX-512). (None, []) where /proc/cpuinfo is not."""
+  model, flags = None, set()
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name') and model is None:
+          model = line.split(':', 1)[1].strip()
+        elif line.startswith('flags') and not flags:
+          flags = set(line.split(':', 1)[1].split())
+  except OSError:
+    pass
+  return model, [flag for flag in VECTOR_FLAGS if flag in flags]
+
+
+def machine_key(device, scratch_dir: str | None) -> dict[str, object]:
+  """What a measured profile holds for: the device, the cores this process may use, the CPU
+  and its RAM, the jax build (rates and the runtime's own memory), and the filesystem the disk
+  rates were read from (scratch_dir's, else the system temp folder's)."""
+  import importlib.metadata
+  import jax
+  model, flags = cpu_info()
+  folder = Path(scratch_dir or tempfile.gettempdir()).absolute()
+  while not folder.exists() and folder != folder.parent:  # made later, on its parent's disk
+    folder = folder.parent
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  return {'platform': device.platform, 'device_kind': device.device_kind,
+          'devices': jax.local_device_count(device.platform), 'cpu_model': model,
+          'cpu_vector_flags': flags, 'cores': cores,
+          'ram_bytes': os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'),
+          'jax': jax.__version__, 'jaxlib': importlib.metadata.version('jaxlib'),
+          'disk': folder.stat().st_dev}
+
+
 def default_compute_dtype(platform: str) -> str:
   """The layer math's dtype when none is asked for: float16 on a GPU (half the bytes to move and
   store, tensor cores), float32 on the CPU backend (fastest and exact there: XLA:CPU widens

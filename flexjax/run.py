@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -190,7 +191,7 @@ def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
     return hardware.t4_profile()
   if spec:
     return hardware.HardwareProfile.load(spec)
-  cache = profile_cache(device)
+  cache = profile_cache(device, scratch_dir)
   if cache.is_file():
     return hardware.HardwareProfile.load(cache)
   if not measure_if_missing:
@@ -198,15 +199,20 @@ def resolve_profile(spec: str | None, device, *, measure_if_missing: bool,
   return measure_profile(device, scratch_dir=scratch_dir, progress=progress)
 
 
-def profile_cache(device) -> Path:
-  """Where this device's measured profile is cached."""
+def profile_cache(device, scratch_dir: str | None) -> Path:
+  """Where this device's profile, measured with its disk rates read in scratch_dir, is cached:
+  one file per hardware.machine_key, so a profile measured on another CPU, core count, jax build
+  or disk is never taken for this one's (a home folder shared between machines, a resized VM,
+  an offload folder moved to another disk)."""
+  key = json.dumps(hardware.machine_key(device, scratch_dir), sort_keys=True)
+  digest = hashlib.sha256(key.encode()).hexdigest()[:16]
   return (Path(os.environ.get('XDG_CACHE_HOME', Path.home() / '.cache')) / 'flexjax'
-          / f'hw-{device.platform}-{device.device_kind}.json'.replace(' ', '_'))
+          / f'hw-{device.platform}-{device.device_kind}-{digest}.json'.replace(' ', '_'))
 
 
 def measure_profile(device, *, scratch_dir: str | None, progress: bool) -> HardwareProfile:
   """Measures this device for the cost model and caches the profile (profile_cache)."""
-  cache = profile_cache(device)
+  cache = profile_cache(device, scratch_dir)
   print(f'measuring this machine for the cost model, once (transfers, disk, matmul and '
         f'attention rates: under a minute on a 2-core CPU); the profile is cached in {cache}',
         file=sys.stderr, flush=True)

@@ -126,3 +126,40 @@ def test_profile_hw_refuses_an_output_it_cannot_write_before_measuring(tmp_path)
     assert proc.returncode != 0 and says in proc.stderr, proc.stderr
     assert f'flag --output={output}: ' in proc.stderr  # absl's parse error names flag and value
     assert 'measuring' not in proc.stderr and not proc.stdout  # refused before any work
+
+
+def test_a_profile_is_cached_per_machine_cores_jax_build_and_disk(tmp_path, monkeypatch):
+  """The cached profile (what --policy=auto plans with when no --hw_profile is given) is found
+  again for this machine and offload disk, also for an offload folder not yet made, and not for
+  a process allowed fewer cores or an offload folder on another filesystem."""
+  import os
+  import subprocess
+  import sys
+  from flexjax import run
+  device = jax.devices()[0]
+  key = hardware.machine_key(device, str(tmp_path))
+  with open('/proc/cpuinfo') as f:
+    model = next(line for line in f if line.startswith('model name')).split(':', 1)[1].strip()
+  assert key['cpu_model'] == model and key['cores'] == len(os.sched_getaffinity(0))
+  assert key['disk'] == os.stat(tmp_path).st_dev and key['jax'] == jax.__version__
+  assert hardware.machine_key(device, str(tmp_path / 'not' / 'made')) == key
+
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+  assert run.resolve_profile(None, device, measure_if_missing=False, scratch_dir=str(tmp_path)) is None
+  hardware.t4_profile().save(run.profile_cache(device, str(tmp_path)))
+  found = run.resolve_profile(None, device, measure_if_missing=False, scratch_dir=str(tmp_path))
+  assert found == hardware.t4_profile()
+
+  if len(os.sched_getaffinity(0)) > 1:  # a process allowed one of this machine's cores
+    one_core = subprocess.run(
+        [sys.executable, '-c', 'import os, sys; '
+         'os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); '
+         'import jax; from flexjax import run; '
+         'print(run.profile_cache(jax.devices()[0], sys.argv[1]))', str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=True)
+    assert one_core.stdout.strip().startswith(str(tmp_path / 'cache' / 'flexjax' / 'hw-cpu-'))
+    assert one_core.stdout.strip() != str(run.profile_cache(device, str(tmp_path)))
+
+  shm = '/dev/shm'
+  if os.path.isdir(shm) and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
+    assert run.resolve_profile(None, device, measure_if_missing=False, scratch_dir=shm) is None

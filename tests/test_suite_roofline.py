@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from flexjax import hardware
 from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
@@ -255,10 +256,10 @@ def test_rendered_rates_name_the_cpu_they_were_measured_on(tmp_path):
   roofline table's rates line names them, and records without them still render."""
   from tools import benchlib
   machine = benchlib.machine_info()
-  assert set(machine['cpu_vector_flags']) <= set(benchlib.VECTOR_FLAGS)
+  assert set(machine['cpu_vector_flags']) <= set(hardware.VECTOR_FLAGS)
   with open('/proc/cpuinfo') as f:
     flags = next(line for line in f if line.startswith('flags')).split(':', 1)[1].split()
-  assert machine['cpu_vector_flags'] == [f for f in benchlib.VECTOR_FLAGS if f in flags]
+  assert machine['cpu_vector_flags'] == [f for f in hardware.VECTOR_FLAGS if f in flags]
   record = suite.with_roofline(
       {'system': 'accelerate', 'status': 'ok', 'spec': {'model': TINY}, 'prompt_len': 8,
        'gen_len': 3, 'num_prompts': 2, 'compute_dtype': 'float32', 'case': 'acc',

@@ -63,28 +63,10 @@ def git_commit() -> str:
     return 'unknown'
 
 
-VECTOR_FLAGS = ('avx2', 'fma', 'avx512f', 'avx512_bf16', 'avx512_fp16', 'amx_bf16', 'amx_tile')
-
-
-def _cpuinfo() -> tuple[str | None, list[str]]:
-  """The CPU's model name and which of VECTOR_FLAGS it has (matmul rates depend on them:
-  the same VM type has run on CPUs with and without AVX-512)."""
-  model, flags = None, set()
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name') and model is None:
-          model = line.split(':', 1)[1].strip()
-        elif line.startswith('flags') and not flags:
-          flags = set(line.split(':', 1)[1].split())
-  except OSError:
-    pass
-  return model, [flag for flag in VECTOR_FLAGS if flag in flags]
-
-
 def machine_info() -> dict[str, Any]:
   import jax
-  model, vector_flags = _cpuinfo()
+  from flexjax import hardware
+  model, vector_flags = hardware.cpu_info()
   return {
       'processor': platform.processor() or platform.machine(),
       'cpu_model': model,
