@@ -24,7 +24,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -383,16 +383,18 @@ class Tally:
   seconds: float = 0.0
 
 
-def run_blocks(engine: Engine, blocks: Sequence[Block], output: JobOutput, *,
-               tokenizer: Tokenizer | None, stop_at_eos: bool, show_progress: bool) -> Tally:
-  """Generates the blocks not yet done, writing each durably as it completes."""
-  todo = [b for b in blocks if b.number not in output.done]
+def run_blocks(engine: Engine, blocks: Sequence[Block], done: set[int],
+               write: Callable[[int, list[dict]], None], *, tokenizer: Tokenizer | None,
+               stop_at_eos: bool, show_progress: bool) -> Tally:
+  """Generates the blocks not in `done`, handing each block's records to write(block number,
+  records) as it completes (JobOutput.write_block: durably)."""
+  todo = [b for b in blocks if b.number not in done]
   tally = Tally()
   eos = engine.config.eos_token_id
   slots = engine.policy.block_size
   with progress_lib.bar(sum(len(b.rows) for b in blocks), 'generating', unit='row',
                         show=show_progress) as bar:
-    bar.update(sum(len(b.rows) for b in blocks if b.number in output.done))
+    bar.update(sum(len(b.rows) for b in blocks if b.number in done))
     shape = None
     for block in todo:
       if shape is not None and (block.pad_to, block.gen_len) != shape:
@@ -409,7 +411,7 @@ def run_blocks(engine: Engine, blocks: Sequence[Block], output: JobOutput, *,
                                pad_to=block.pad_to)
       records = [_record(row, seq, tokenizer, eos)
                  for row, seq in zip(block.rows, result.sequences)]
-      output.write_block(block.number, records)
+      write(block.number, records)
       memwatch.return_free_memory()  # the next block's buffers start from a trimmed heap
       tally.seconds += time.perf_counter() - start
       tally.rows += len(block.rows)
@@ -470,21 +472,23 @@ def padding_report(rows: Sequence[Row], block_size: int, max_positions: int,
   return report
 
 
+def read_input(rc) -> str:
+  """The job's input text, refused with its --output missing."""
+  text = read_text(rc.input, 'input')
+  if not rc.output:
+    raise FlexjaxError(f'--input={rc.input!r} needs --output=FILE.jsonl for the generations')
+  return text
+
+
 def run_job(rc) -> dict[str, Any]:
   """Runs a batch job (--input rows to --output); returns its report."""
   from flexjax import run as run_lib
 
-  text = read_text(rc.input, 'input')
-  if not rc.output:
-    raise FlexjaxError(f'--input={rc.input!r} needs --output=FILE.jsonl for the generations')
+  text = read_input(rc)
   st = run_lib.setup(rc)
   cfg = st.cfg
   rows, bad = parse_rows(text, cfg, st.tokenizer, rc.generation)
-  job = job_fingerprint(text, weights=_weights_identity(rc, st), compute=st.compute_dtype,
-                        cache=rc.cache_dtype, stop_at_eos=rc.generation.stop_at_eos,
-                        gen_len=rc.generation.gen_len, temperature=rc.generation.temperature,
-                        top_p=rc.generation.top_p, seed=rc.generation.seed, bucket=rc.bucket)
-  output = JobOutput(rc.output, job)
+  output = JobOutput(rc.output, job_of(rc, st.source, st.compute_dtype, text))
   resumed = output.resume()
   summary = {'input': rc.input, 'output': str(output.path), 'rows': len(rows) + len(bad),
              'bad_rows': len(bad)}
@@ -516,7 +520,8 @@ def run_job(rc) -> dict[str, Any]:
     tally = Tally()
     if any(b.number not in output.done for b in blocks):
       with run_lib.engine_for(rc, st, policy) as engine:
-        tally = run_blocks(engine, blocks, output, tokenizer=st.tokenizer,
+        tally = run_blocks(engine, blocks, output.done, output.write_block,
+                           tokenizer=st.tokenizer,
                            stop_at_eos=rc.generation.stop_at_eos,
                            show_progress=progress_lib.enabled(rc.progress))
     output.finish()
@@ -530,7 +535,16 @@ def run_job(rc) -> dict[str, Any]:
           **run_lib.measured_fields(st.device, measured)}
 
 
-def _weights_identity(rc, st) -> dict[str, Any]:
+def job_of(rc, source, compute_dtype: str, text: str) -> str:
+  """The job's fingerprint: its input, its weights (the whole model's `source`) and every flag
+  that changes its outputs; a pipelined run of the job has the one-process run's."""
+  return job_fingerprint(text, weights=_weights_identity(rc, source), compute=compute_dtype,
+                         cache=rc.cache_dtype, stop_at_eos=rc.generation.stop_at_eos,
+                         gen_len=rc.generation.gen_len, temperature=rc.generation.temperature,
+                         top_p=rc.generation.top_p, seed=rc.generation.seed, bucket=rc.bucket)
+
+
+def _weights_identity(rc, source) -> dict[str, Any]:
   if rc.weights == 'dummy':
-    return {'dummy': st.cfg.name, 'seed': rc.dummy_seed, 'dtype': st.source.dtype}
-  return {'checkpoint': st.source.fingerprint()}
+    return {'dummy': source.config.name, 'seed': rc.dummy_seed, 'dtype': source.dtype}
+  return {'checkpoint': source.fingerprint()}

@@ -17,6 +17,7 @@ the early stop at EOS agree everywhere without messages of their own.
 from __future__ import annotations
 
 import dataclasses
+import json
 import functools
 import time
 from pathlib import Path
@@ -182,6 +183,18 @@ class Link:
     out, total = self._exchange(self._global(hidden), self._global(jnp.asarray(tokens)))
     return (out.addressable_shards[0].data[0],
             np.asarray(total.addressable_shards[0].data[0]))
+
+  def share(self, value, process_id: int):
+    """Process 0's JSON-able `value`, on every process (the others' `value` is not read)."""
+    data = json.dumps(value).encode() if process_id == 0 else b''
+    size = int(self.gather([len(data)], process_id)[0, 0])
+    sent = np.zeros(-(-size // 7), np.int64)  # 7 bytes per value: gather takes 61 bits
+    if process_id == 0:
+      padded = np.frombuffer(data.ljust(len(sent) * 7, b'\0'), np.uint8).reshape(-1, 7)
+      sent = (padded.astype(np.int64) << (8 * np.arange(7))).sum(axis=1)
+    got = self.gather(sent.tolist(), process_id)[0]
+    data = ((got[:, None] >> (8 * np.arange(7))) & 255).astype(np.uint8).tobytes()[:size]
+    return json.loads(data)
 
   def gather(self, values: list[int], process_id: int) -> np.ndarray:
     """[num_processes, len(values)] of every process's non-negative ints below 2**61 (sent as

@@ -5,6 +5,7 @@ before any stage allocates, the run, and the report (process 0)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -150,70 +151,90 @@ def _policy_of(template: Policy, row) -> Policy:
 
 def check_config(rc) -> None:
   """What a pipeline run refuses, by the launcher before any stage starts and by each stage."""
+  from flexjax import job as job_lib
   from flexjax import run as run_lib
   run_lib.check_paths(rc)
   if rc.input:
-    raise FlexjaxError('--input jobs do not run in a pipeline; give --prompt_file, or run the '
-                       'job with python -m flexjax.main')
+    job_lib.read_input(rc)
 
 
-def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int = 1
-              ) -> dict | None:
-  """Runs this process's stage of a generation job (jax.distributed is initialized). Returns
-  the report on process 0 (every stage's layers, policy, planned and measured peaks), None
-  elsewhere."""
+@dataclasses.dataclass
+class _Stage:
+  """This process's part of the pipeline: its link to the others, its setup (its layers'
+  weights, budgets, planner) and where the model's layers went."""
+
+  rc: Any
+  link: Link
+  process_id: int
+  st: Any
+  ranges: list[range]
+  topology: Topology
+
+  @property
+  def cfg(self):  # the whole model's
+    return self.st.source.source.config
+
+  def engine(self, policy: Policy) -> StageEngine:
+    rc, st = self.rc, self.st
+    return StageEngine(st.source, self.topology, self.link, policy=policy,
+                       compute_dtype=st.compute_dtype, cache_dtype=rc.cache_dtype,
+                       device=st.device, budgets=st.budgets, planner=st.planner,
+                       offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
+                       weights_cache=rc.weights_cache, io_threads=rc.io_threads,
+                       host_memory=rc.host_memory, progress=False)
+
+
+def _start(rc, num_processes: int, process_id: int, processes_per_host: int) -> _Stage:
   from flexjax import run as run_lib
   check_config(rc)
   link = Link(num_processes)
   ranges: list[range] = []
-  topology: Topology | None = None
+  topology: list[Topology] = []
 
   def wrap(source):
-    nonlocal topology
     ranges.extend(split_layers(source.config, num_processes))
-    topology = Topology(num_processes, process_id, ranges[process_id])
-    return StageWeights(source, topology.layers)
+    topology.append(Topology(num_processes, process_id, ranges[process_id]))
+    return StageWeights(source, topology[0].layers)
 
   st = run_lib.setup(rc, wrap=wrap)
   st.budgets = stage_budgets(rc.budgets or {}, st.budgets, processes_per_host)
-  cfg = st.source.source.config  # the whole model's
-  given = run_lib.run_prompts(rc, cfg, st.tokenizer)
-  prompt_len = given.length
-  gen_len = rc.generation.gen_len
-  policy, prediction = choose_policy(
-      rc, st, link, process_id, prompt_len=prompt_len, gen_len=gen_len,
-      num_sequences=given.count)
+  return _Stage(rc, link, process_id, st, ranges, topology[0])
+
+
+def _plan(stage: _Stage, *, prompt_len: int, gen_len: int, num_sequences: int | None,
+          policy: Policy | None = None):
+  """This stage's policy (given: a resumed job's; else chosen) and prediction, its report head,
+  and every stage's policy row; unless a dry run, every stage fits or none goes on."""
+  from flexjax import run as run_lib
+  rc, st, p = stage.rc, stage.st, stage.process_id
+  prediction = None
+  if policy is None:
+    policy, prediction = choose_policy(rc, st, stage.link, p, prompt_len=prompt_len,
+                                       gen_len=gen_len, num_sequences=num_sequences)
   head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                       gen_len=gen_len)
-  rows = link.gather(_policy_row(policy, prediction), process_id)
+  rows = stage.link.gather(_policy_row(policy, prediction), p)
   if not rc.dry_run:  # every stage's fit is known before any raises
     error = None if problem is None else FlexjaxError(
-        f'stage {process_id} ({_holds(ranges, process_id)}): {problem}')
-    agree(link, process_id, error, "does not fit its budgets; no stage allocated anything")
-  result = engine = None
-  if not rc.dry_run:
-    prompts, texts = given.for_policy(cfg, policy, seed=rc.generation.seed)
-    with StageEngine(st.source, topology, link, policy=policy,
-                     compute_dtype=st.compute_dtype, cache_dtype=rc.cache_dtype,
-                     device=st.device, budgets=st.budgets, planner=st.planner,
-                     offload_dir=rc.offload_dir, drop_page_cache=rc.drop_page_cache,
-                     weights_cache=rc.weights_cache, io_threads=rc.io_threads,
-                     host_memory=rc.host_memory,
-                     progress=False) as engine:
-      result = engine.generate(prompts, rc.generation)
+        f'stage {p} ({_holds(stage.ranges, p)}): {problem}')
+    agree(stage.link, p, error, "does not fit its budgets; no stage allocated anything")
+  return policy, head, problem, rows
+
+
+def _stage_report(stage: _Stage, report: dict, *, policy: Policy, problem, rows, gen_len: int,
+                  ran: bool) -> dict | None:
+  """Every stage's layers, policy and planned and measured peaks, on process 0 (None
+  elsewhere), added to `report`; with the pipeline's predicted throughput."""
+  rc, st = stage.rc, stage.st
   measured = st.watch.peaks()
-  mine = [int(problem is None)] + [head.get(f'planned_{tier}_peak_bytes', -1) for tier in _TIERS]
+  mine = [int(problem is None)]
+  mine += [report.get(f'planned_{tier}_peak_bytes', -1) for tier in _TIERS]
   mine += [measured['rss'], measured.get('device', -1)]
-  every = link.gather([v + 1 for v in mine], process_id) - 1  # -1: none
-  if process_id:
+  every = stage.link.gather([v + 1 for v in mine], stage.process_id) - 1  # -1: none
+  if stage.process_id:
     return None
-  report = dict(head)
-  if result is not None:
-    if rc.output:
-      run_lib.write_outputs(rc.output, prompts, texts, result, st.tokenizer)
-    report.update(run_lib.report(rc, engine, result, measured))
-  report['model'] = cfg.name
-  report['pipeline_stages'] = num_processes
+  report['model'] = stage.cfg.name
+  report['pipeline_stages'] = stage.link.n
   if rc.dry_run:
     report['fits'] = bool(every[:, 0].all())
     report.pop('does_not_fit', None)
@@ -222,19 +243,134 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
     report['predicted_total_tok_s'] = round(policy.block_size * gen_len / (pre + dec), 3)
     report['predicted_block_s'] = round(pre + dec, 3)
   for q, row in enumerate(every):
-    stage = {'holds': _holds(ranges, q), 'policy': _policy_of(policy, rows[q]).describe()}
+    entry = {'holds': _holds(stage.ranges, q), 'policy': _policy_of(policy, rows[q]).describe()}
     if rc.dry_run:
-      stage['fits'] = bool(row[0])
-    stage.update({f'planned_{tier}_peak_bytes': int(v)
+      entry['fits'] = bool(row[0])
+    entry.update({f'planned_{tier}_peak_bytes': int(v)
                   for tier, v in zip(_TIERS, row[1:5]) if v >= 0})
-    if result is not None:
+    if ran:
       if st.device.platform == 'cpu':
-        stage['measured_ram_peak_bytes'] = int(row[5])
+        entry['measured_ram_peak_bytes'] = int(row[5])
       else:
-        stage['measured_host_peak_bytes'] = int(row[5])
-        stage['measured_device_peak_bytes'] = int(row[6])
-    report[f'stage{q}'] = stage
+        entry['measured_host_peak_bytes'] = int(row[5])
+        entry['measured_device_peak_bytes'] = int(row[6])
+    report[f'stage{q}'] = entry
   return report
+
+
+def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int = 1
+              ) -> dict | None:
+  """Runs this process's stage of a generation job, or of a batch job (--input: see
+  _run_job) (jax.distributed is initialized). Returns the report on process 0 (every stage's
+  layers, policy, planned and measured peaks), None elsewhere."""
+  from flexjax import run as run_lib
+  stage = _start(rc, num_processes, process_id, processes_per_host)
+  if rc.input:
+    return _run_job(stage)
+  st, cfg = stage.st, stage.cfg
+  given = run_lib.run_prompts(rc, cfg, st.tokenizer)
+  gen_len = rc.generation.gen_len
+  policy, head, problem, rows = _plan(stage, prompt_len=given.length, gen_len=gen_len,
+                                      num_sequences=given.count)
+  result = engine = None
+  if not rc.dry_run:
+    prompts, texts = given.for_policy(cfg, policy, seed=rc.generation.seed)
+    with stage.engine(policy) as engine:
+      result = engine.generate(prompts, rc.generation)
+  report = dict(head)
+  if result is not None and not process_id:
+    if rc.output:
+      run_lib.write_outputs(rc.output, prompts, texts, result, st.tokenizer)
+    report.update(run_lib.report(rc, engine, result, st.watch.peaks()))
+  return _stage_report(stage, report, policy=policy, problem=problem, rows=rows,
+                       gen_len=gen_len, ran=result is not None)
+
+
+def _run_job(stage: _Stage) -> dict | None:
+  """A batch job through the pipeline: every stage reads the same rows and runs the same blocks;
+  stage 0 owns the output (and its progress file, read on resume and handed to the others) and
+  writes each block as it completes; a write that fails stops every stage, and the same command
+  resumes the job after its last complete block, in one process or in a pipeline alike."""
+  from flexjax import job as job_lib
+  from flexjax import progress as progress_lib
+  rc, st, cfg, link, p = stage.rc, stage.st, stage.cfg, stage.link, stage.process_id
+  text = job_lib.read_input(rc)
+  rows, bad = job_lib.parse_rows(text, cfg, st.tokenizer, rc.generation)
+  job = job_lib.job_of(rc, st.source.source, st.compute_dtype, text)
+  ids = link.gather([int(job[:15], 16)], p)[:, 0]
+  agree(link, p, None if (ids == ids[0]).all() else FlexjaxError(
+      f'stage {p} reads another job (its --input or flags differ from stage 0\'s); give every '
+      'stage the same input file and flags'), 'reads another job')
+  output = job_lib.JobOutput(rc.output, job) if p == 0 else None
+  error = None
+  try:
+    resumed = output.resume() if output else False
+  except FlexjaxError as e:
+    error = e
+  agree(link, p, error, 'cannot write the output')
+  state = link.share({'policy': output.policy, 'done': sorted(output.done), 'rows': output.rows,
+                      'resumed': resumed} if output else None, p)
+  done = set(state['done'])
+  summary = {'input': rc.input, 'output': str(output.path) if output else rc.output,
+             'rows': len(rows) + len(bad),
+             'bad_rows': len(bad)}
+  gen_len, blocks, report = rc.generation.gen_len, [], {}
+  policy, problem, policy_rows = (Policy(**state['policy']) if state['policy'] else rc.policy,
+                                  None, None)
+  if rows:
+    prompt_len, gen_len = job_lib.largest_shape(rows, bucket=rc.bucket,
+                                                max_positions=cfg.max_positions)
+    policy, report, problem, policy_rows = _plan(
+        stage, prompt_len=prompt_len, gen_len=gen_len, num_sequences=len(rows),
+        policy=Policy(**state['policy']) if state['policy'] else None)
+    blocks = job_lib.plan_blocks(rows, policy.block_size, bucket=rc.bucket,
+                                 max_positions=cfg.max_positions)
+  summary['blocks'] = len(blocks)
+  if rc.dry_run:
+    report = {**report, **summary}
+    return (_stage_report(stage, report, policy=policy, problem=problem, rows=policy_rows,
+                          gen_len=gen_len, ran=False) if rows else report if p == 0 else None)
+
+  def write(number: int, records: list[dict]) -> None:
+    error = None
+    if output:
+      try:
+        output.write_block(number, records)
+      except FlexjaxError as e:
+        error = e
+    agree(link, p, error, 'could not write the output; run the same command again to resume')
+
+  tally = job_lib.Tally()
+  try:
+    error = None
+    try:
+      if output:
+        output.open(policy)
+    except FlexjaxError as e:
+      error = e
+    agree(link, p, error, 'cannot write the output')
+    if bad and -1 not in done:
+      write(-1, [job_lib.bad_record(b) for b in bad])
+    if any(b.number not in done for b in blocks):
+      with stage.engine(policy) as engine:
+        tally = job_lib.run_blocks(engine, blocks, done, write, tokenizer=st.tokenizer,
+                                   stop_at_eos=rc.generation.stop_at_eos,
+                                   show_progress=p == 0 and progress_lib.enabled(rc.progress))
+    if output:
+      output.finish()
+  finally:
+    if output:
+      output.close()
+  from flexjax import run as run_lib
+  report.update(summary, resumed=state['resumed'], rows_written_before=state['rows'],
+                rows_generated=tally.rows, generated_tokens=tally.generated,
+                generation_s=round(tally.seconds, 3),
+                **job_lib.padding_report(rows, policy.block_size, cfg.max_positions, tally),
+                **run_lib.measured_fields(st.device, st.watch.peaks()))
+  if not rows:
+    return report if p == 0 else None
+  return _stage_report(stage, report, policy=policy, problem=problem, rows=policy_rows,
+                       gen_len=gen_len, ran=True)
 
 
 def _holds(ranges: list[range], q: int) -> str:

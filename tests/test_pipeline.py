@@ -204,7 +204,8 @@ def test_too_many_stages_is_one_line(four_layers, tmp_path):
 @pytest.mark.parametrize('flag, says', [
     ('--prompt_file={tmp}/none.txt', 'does not exist; give a text file of prompts, one per line'),
     ('--report_json={tmp}/file/report.json', 'is a file; give a folder'),
-    ('--input={tmp}/rows.jsonl', '--input jobs do not run in a pipeline')])
+    ('--input={tmp}/none.jsonl', 'does not exist; give a JSONL file'),
+    ('--input={tmp}/file', 'needs --output=FILE.jsonl for the generations')])
 def test_bad_paths_are_one_line_before_any_stage_starts(four_layers, tmp_path, flag, says):
   (tmp_path / 'file').write_text('')
   cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--weights=checkpoint',
@@ -214,6 +215,66 @@ def test_bad_paths_are_one_line_before_any_stage_starts(four_layers, tmp_path, f
   assert proc.returncode == 2
   assert proc.stderr.count('\n') == 1 and says in proc.stderr, proc.stderr
   assert 'pipeline stage' not in proc.stderr  # refused by the launcher, no stage started
+
+
+def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
+    four_layers, tmp_path):
+  """A batch job (--input) through a pipeline: bad rows, mixed lengths and per-row limits,
+  bucketed blocks, the output written by stage 0 block by block. Its writes failing part-way
+  (a file size limit on every stage stands in for a full disk) stop both stages with one
+  line; one process then resumes the job after its last complete block (and stops further on),
+  the pipeline finishes it, and the output equals the uninterrupted one-process job's, byte for
+  byte."""
+  import numpy as np
+  rng = np.random.default_rng(5)
+  rows = [{'id': f'r{i}', 'tokens': [2] + rng.integers(4, 900, int(n) - 1).tolist(),
+           'max_new_tokens': int(m)}
+          for i, (n, m) in enumerate(zip(rng.choice([3, 6, 11, 20], 9), rng.choice([1, 3, 5], 9)))]
+  lines = [json.dumps(r) for r in rows] + ['{"id": "broken"']
+  rows_path = tmp_path / 'rows.jsonl'
+  rows_path.write_text('\n'.join(lines) + '\n')
+  common = ['--weights=checkpoint', f'--checkpoint={four_layers}', f'--input={rows_path}',
+            '--gen_len=5', '--gpu_batch_size=2', '--num_gpu_batches=2', '--noprogress']
+  reference = tmp_path / 'reference.jsonl'
+  one = subprocess.run([sys.executable, '-m', 'flexjax.main', *common, f'--output={reference}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+  assert one.returncode == 0, one.stderr[-2000:]
+  expected = reference.read_bytes()
+  assert expected.count(b'\n') == 10 and len(expected) > 900
+
+  out = tmp_path / 'out.jsonl'
+  launch_cmd = ['-m', 'flexjax.launch', '--num_processes=2', *common, f'--output={out}']
+
+  def limited(nbytes: int, *argv: str):
+    return subprocess.run(
+        [sys.executable, '-c', 'import os, resource, sys; '
+         f'resource.setrlimit(resource.RLIMIT_FSIZE, ({nbytes}, {nbytes})); '
+         'os.execv(sys.executable, [sys.executable] + sys.argv[1:])', *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+
+  full = limited(600, *launch_cmd)
+  assert full.returncode == 2, full.stderr[-3000:]
+  assert 'Traceback' not in full.stderr and full.stderr.count('\n') == 1, full.stderr
+  assert f"writing --output={str(out)!r} failed (File too large)" in full.stderr
+  state = json.loads(out.with_name('out.jsonl.progress').read_text())
+  assert 0 < state['bytes'] <= 600 and expected.startswith(out.read_bytes()[:state['bytes']])
+  # one process takes the job up where the pipeline left it, and stops at its last block
+  further = limited(len(expected) - 1, '-m', 'flexjax.main', *common, f'--output={out}')
+  assert further.returncode == 2 and 'File too large' in further.stderr, further.stderr[-3000:]
+  before, state = state, json.loads(out.with_name('out.jsonl.progress').read_text())
+  assert before['bytes'] < state['bytes'] < len(expected)
+  assert expected.startswith(out.read_bytes()[:state['bytes']])
+
+  report = tmp_path / 'report.json'
+  done = subprocess.run([sys.executable, *launch_cmd, f'--report_json={report}'], cwd=ROOT,
+                        capture_output=True, text=True, timeout=240)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert out.read_bytes() == expected
+  assert not out.with_name('out.jsonl.progress').exists()
+  row = json.loads(report.read_text())
+  assert row['resumed'] and row['rows_written_before'] == state['rows'] and row['bad_rows'] == 1
+  assert row['rows_generated'] == 9 - (state['rows'] - 1)
+  assert row['pipeline_stages'] == 2 and row['stage1']['holds'] == 'layers 2-3 + head'
 
 
 def test_split_layers_balances_embedding_and_head():
