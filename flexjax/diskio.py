@@ -161,11 +161,22 @@ def wait(futures: list[concurrent.futures.Future]) -> None:
     future.result()
 
 
+def drop_from_page_cache(path: str | os.PathLike) -> None:
+  """Asks the kernel to drop the file's pages from the page cache (a later read is cold)."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+
+
 def read_through(path: str | os.PathLike, *, file_bytes: int, chunk_bytes: int = CHUNK,
                  threads: int = IO_THREADS) -> tuple[float, bool, str]:
-  """Reads a file's first file_bytes as the engine reads weights (O_DIRECT where allowed,
-  chunk_bytes per request on `threads` I/O threads, a window of threads x chunk_bytes at a
-  time). Returns (seconds, whether the reads were direct, why not)."""
+  """Reads a file's first file_bytes cold (dropped from the page cache first) as the engine
+  reads weights (O_DIRECT where allowed, chunk_bytes per request on `threads` I/O threads, a
+  window of threads x chunk_bytes at a time). Returns (seconds, whether the reads were direct,
+  why not)."""
+  drop_from_page_cache(path)
   file = DiskFile(path)
   reader = Reader(threads, chunk=chunk_bytes)
   window = aligned_buffer(threads * chunk_bytes)

@@ -507,11 +507,6 @@ def _disk_overlap(compute, data: np.ndarray, scratch_dir: str | None) -> float:
     nbytes = data.nbytes // diskio.BLOCK * diskio.BLOCK
 
     def read() -> float:
-      rfd = os.open(path, os.O_RDONLY)
-      try:
-        os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
-      finally:
-        os.close(rfd)
       return diskio.read_through(path, file_bytes=nbytes)[0]
 
     read_s = min(read() for _ in range(2))
@@ -547,11 +542,6 @@ def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float
       f.flush()
       os.fsync(f.fileno())
     write = data.nbytes / (time.perf_counter() - start)
-    rfd = os.open(path, os.O_RDONLY)
-    try:
-      os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-      os.close(rfd)
     nbytes = data.nbytes // diskio.BLOCK * diskio.BLOCK
     seconds, _, _ = diskio.read_through(path, file_bytes=nbytes)  # as the engine reads weights
     read = nbytes / seconds

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from flexjax import scratch
+from flexjax import diskio, scratch
 from flexjax.config import ModelConfig
 from flexjax.errors import FlexjaxError
 from flexjax.hf_import import hf_key
@@ -126,11 +126,7 @@ def drop_from_page_cache(*folders: str | os.PathLike) -> None:
   for folder in folders:
     for path in Path(folder).rglob('*'):
       if path.is_file():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-          os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-          os.close(fd)
+        diskio.drop_from_page_cache(path)
 
 
 def _step_clock(drop_folders: tuple[str, ...]):

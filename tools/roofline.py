@@ -183,14 +183,6 @@ def _write_file(path: str, *, file_bytes: int, chunk_bytes: int) -> float:
   return time.perf_counter() - start
 
 
-def _drop_from_page_cache(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-  finally:
-    os.close(fd)
-
-
 def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
                    chunk_bytes: int = 16 * 2**20, threads: int = 4) -> DiskProbe:
   """Write and cold-read bandwidth of a file of file_bytes in `folder` (default: the temp
@@ -211,7 +203,6 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
   with scratch.claim(folder, 'flexjax-disk-probe-') as owned:
     path = str(owned.path / 'probe.bin')
     write_s = _write_file(path, file_bytes=file_bytes, chunk_bytes=chunk_bytes)
-    _drop_from_page_cache(path)
     read_s, direct, note = diskio.read_through(path, file_bytes=file_bytes,
                                                chunk_bytes=chunk_bytes, threads=threads)
     if not direct:
@@ -224,8 +215,8 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
 def files_read_bandwidth(paths, *, limit_bytes: int = 2**30, chunk_bytes: int = 16 * 2**20,
                          threads: int = 4) -> float | None:
   """Read bandwidth of existing files (a model's weight files, say) read as the engine reads
-  weights (diskio.read_through: O_DIRECT where allowed), whole and in order, each dropped from
-  the page cache first, until limit_bytes; None when nothing was read. Where storage serves
+  weights (diskio.read_through: cold, O_DIRECT where allowed), whole and in order, until
+  limit_bytes; None when nothing was read. Where storage serves
   recently written blocks faster (a virtual disk's cache), disk_bandwidth's fresh file can
   read several times faster than files written earlier."""
   seconds, done = 0.0, 0
@@ -233,7 +224,6 @@ def files_read_bandwidth(paths, *, limit_bytes: int = 2**30, chunk_bytes: int = 
     size = min(os.path.getsize(path), limit_bytes - done) // ALIGN * ALIGN
     if size <= 0:
       continue
-    _drop_from_page_cache(path)
     took, _, _ = diskio.read_through(path, file_bytes=size, chunk_bytes=chunk_bytes,
                                      threads=threads)
     seconds, done = seconds + took, done + size
