@@ -275,6 +275,8 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   assert row['resumed'] and row['rows_written_before'] == state['rows'] and row['bad_rows'] == 1
   assert row['rows_generated'] == 9 - (state['rows'] - 1)
   assert row['pipeline_stages'] == 2 and row['stage1']['holds'] == 'layers 2-3 + head'
+  for stage in ('stage0', 'stage1'):  # each stage's peak RSS, from the kernel, within its plan
+    assert 0 < row[stage]['measured_ram_peak_bytes'] <= row[stage]['planned_ram_peak_bytes']
 
 
 def test_split_layers_balances_embedding_and_head():
