@@ -119,3 +119,21 @@ def test_a_drawn_pipeline_reproduces_one_process():
   assert row['same_tokens'], row['stderr']
   assert len(row['tokens']) == len(case.prompts) and any(row['tokens']), row
   assert row['within_plans'] and row['ok'], row
+
+
+# a batch job through three processes: every tier partly on disk, int4 weights and cache, bad and
+# sampled rows, bucketed (`python -m tools.fuzz_placement --mode=pipeline_job` draws more). Run
+# with -m slow (about a minute): tests/test_pipeline.py runs a job through two stages, resumed.
+PIPELINE_JOB_SEED = 72
+
+
+@pytest.mark.slow
+def test_a_drawn_pipeline_job_writes_the_one_process_jobs_lines():
+  case = fuzz_placement.draw_pipeline_job_case(PIPELINE_JOB_SEED)
+  assert case.stages == 3 and tiers_on_disk([case.policy]) == {'w', 'cache', 'act'}
+  assert case.approx.get('compress_weight') and case.approx.get('compress_cache') and case.bucket
+  assert any('temperature' in r for r in case.rows)
+  assert any(not r.startswith('{"id": "r') for r in case.rows)  # a bad row
+  row = fuzz_placement.run_case(case)
+  assert row['same_tokens'], row['stderr']
+  assert len(row['tokens']) == len(case.rows) and row['within_plans'] and row['ok'], row

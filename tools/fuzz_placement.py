@@ -6,6 +6,7 @@ device and once with the drawn policy, and compares the two.
   python -m tools.fuzz_placement --draws=50 --seed=7 --output=fuzz.jsonl
   python -m tools.fuzz_placement --draws=50 --mode=job
   python -m tools.fuzz_placement --draws=20 --mode=pipeline
+  python -m tools.fuzz_placement --draws=10 --mode=pipeline_job
 
 Both runs use the same approximations (int4 weights or cache, sparse attention) and compute
 dtype, so every difference comes from where tensors live and in which order the block schedule
@@ -19,7 +20,8 @@ same block shape all on the device, and compares the two outputs line by line.
 
 --mode=pipeline splits the drawn model's layers over 2-3 processes (flexjax.launch, every stage
 under the drawn policy) and compares their generated tokens with one process's, everything on
-the device.
+the device; --mode=pipeline_job runs a drawn batch job that way and compares its output lines
+with the one-process job's on the device.
 """
 
 from __future__ import annotations
@@ -175,6 +177,15 @@ def draw_pipeline_case(seed: int) -> Case:
   return dataclasses.replace(case, model=model, calls={}, stages=stages)
 
 
+def draw_pipeline_job_case(seed: int) -> Case:
+  """draw_job_case(seed) through 2-3 pipeline stages, at least one decoder layer each."""
+  case = draw_job_case(seed)
+  rng = random.Random(f'pipeline-job-{seed}')
+  stages = rng.choice([2, 2, 3])
+  return dataclasses.replace(case, model=dict(case.model, num_layers=rng.randint(stages, 4)),
+                             stages=stages)
+
+
 def generate(case: Case, policy: dict[str, Any], offload_dir: str, *, weights_cache: str,
              weight_seed: int | None = None):
   """The case's prompts generated under `policy` (with the case's approximations), and the
@@ -270,42 +281,56 @@ def command_line(case: Case, policy: dict[str, Any]) -> list[str]:
 
 
 def run_pipeline_case(case: Case) -> dict[str, Any]:
-  """The prompts through case.stages processes under the drawn policy against one process with
-  everything on the device: equal generated tokens; each stage's peak RSS (the kernel's) within
-  its plan; every stage's offload folder left empty."""
+  """The prompts (or the job's rows) through case.stages processes under the drawn policy
+  against one process with everything on the device (a job: the same block shape): equal
+  generated tokens (a job: equal output lines); each stage's peak RSS (the kernel's) within its
+  plan; every stage's offload folder left empty."""
   from flexjax.engine import GenerationConfig
   from flexjax.policy import Policy
   from flexjax.run import RunConfig, run
   with tempfile.TemporaryDirectory(prefix='flexjax-fuzz-pipeline-') as tmp:
     folder = Path(tmp)
     write_checkpoint(case, folder / 'ckpt')
-    prompts = folder / 'prompts.jsonl'
-    prompts.write_text(''.join(json.dumps({'tokens': list(p)}) + '\n' for p in case.prompts))
     (folder / 'off').mkdir()
-    common = dict(model=None, weights='checkpoint', checkpoint=str(folder / 'ckpt'),
-                  prompt_file=str(prompts), progress=False)
-    run(RunConfig(**common, output=str(folder / 'reference.jsonl'),
-                  policy=Policy(gpu_batch_size=len(case.prompts), **case.approx),
-                  compute_dtype=case.compute_dtype, generation=GenerationConfig(**case.generation),
-                  io_threads=case.io_threads))
+    if case.rows:
+      (folder / 'rows.jsonl').write_text(''.join(line + '\n' for line in case.rows))
+      shape = {k: case.policy[k] for k in ('gpu_batch_size', 'num_gpu_batches')}
+      expected = run_job(case, shape, folder, 'reference')
+      given = [f'--input={folder / "rows.jsonl"}', f'--{"" if case.bucket else "no"}bucket']
+    else:
+      prompts = folder / 'prompts.jsonl'
+      prompts.write_text(''.join(json.dumps({'tokens': list(p)}) + '\n' for p in case.prompts))
+      run(RunConfig(model=None, weights='checkpoint', checkpoint=str(folder / 'ckpt'),
+                    prompt_file=str(prompts), progress=False,
+                    output=str(folder / 'reference.jsonl'),
+                    policy=Policy(gpu_batch_size=len(case.prompts), **case.approx),
+                    compute_dtype=case.compute_dtype,
+                    generation=GenerationConfig(**case.generation), io_threads=case.io_threads))
+      expected = [json.loads(line)['output_tokens']
+                  for line in (folder / 'reference.jsonl').read_text().splitlines()]
+      given = [f'--prompt_file={prompts}']
     cmd = [sys.executable, '-m', 'flexjax.launch', f'--num_processes={case.stages}',
-           '--weights=checkpoint', f'--checkpoint={folder / "ckpt"}', f'--prompt_file={prompts}',
+           '--weights=checkpoint', f'--checkpoint={folder / "ckpt"}', *given,
            f'--output={folder / "result.jsonl"}', f'--offload_dir={folder / "off"}',
            f'--report_json={folder / "report.json"}', '--noprogress',
            *command_line(case, case.policy)]
     proc = _run_group(cmd, timeout=600)
-    tokens = [[json.loads(line)['output_tokens'] for line in
-               (folder / name).read_text().splitlines()] if (folder / name).exists() else None
-              for name in ('reference.jsonl', 'result.jsonl')]
+    result = None
+    if (folder / 'result.jsonl').exists():
+      lines = [json.loads(line) for line in (folder / 'result.jsonl').read_text().splitlines()]
+      result = lines if case.rows else [line['output_tokens'] for line in lines]
     left = sorted(str(p.relative_to(folder / 'off')) for p in (folder / 'off').rglob('*'))
     report = (json.loads((folder / 'report.json').read_text())
               if (folder / 'report.json').exists() else {})
-  same = proc.returncode == 0 and tokens[0] == tokens[1]
+  same = proc.returncode == 0 and result == expected
   peaks = [[report[f'stage{q}'].get(f'{kind}_ram_peak_bytes') for kind in ('planned', 'measured')]
            for q in range(case.stages) if f'stage{q}' in report]
-  within = len(peaks) == case.stages and all(None not in p and p[1] <= p[0] for p in peaks)
+  # a job of bad rows only runs no stage: nothing to measure
+  generated = not case.rows or report.get('rows_generated', 0) > 0
+  within = not generated or (len(peaks) == case.stages
+                             and all(None not in p and p[1] <= p[0] for p in peaks))
   return {**dataclasses.asdict(case), 'same_tokens': same, 'returncode': proc.returncode,
-          'stderr': proc.stderr[-2000:] if proc.returncode else '', 'tokens': tokens[1],
+          'stderr': proc.stderr[-2000:] if proc.returncode else '', 'tokens': result,
           'stage_ram_peaks': peaks, 'within_plans': within, 'left_in_offload_dir': left,
           'ok': same and within and not left}
 
@@ -328,10 +353,10 @@ def _run_group(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 def run_case(case: Case) -> dict[str, Any]:
   """The drawn policy against everything on the device; the offload folder left empty. The
   draw's weight layouts live in a folder of its own, removed with it."""
-  if case.rows:
-    return run_job_case(case)
   if case.stages:
     return run_pipeline_case(case)
+  if case.rows:
+    return run_job_case(case)
   with (tempfile.TemporaryDirectory(prefix='flexjax-fuzz-') as tmp,
         tempfile.TemporaryDirectory(prefix='flexjax-fuzz-layouts-') as layouts):
     reference = generate(case, {'gpu_batch_size': len(case.prompts)}, tmp, weights_cache=layouts)
@@ -350,7 +375,8 @@ def describe(row: dict[str, Any]) -> str:
       return f'{row["stages"]} stages failed (exit {row["returncode"]})'
     ratios = ', '.join(f'{planned / measured:.2f}' if planned and measured else '?'
                        for planned, measured in row['stage_ram_peaks'])
-    return (f'{row["stages"]} stages, tokens {"equal" if row["same_tokens"] else "differ"}, '
+    return (f'{row["stages"]} stages, {"outputs" if row["rows"] else "tokens"} '
+            f'{"equal" if row["same_tokens"] else "differ"}, '
             f'planned / measured RSS per stage {ratios}')
   if row['rows']:
     return (f'outputs of {len(row["rows"])} rows '
@@ -365,10 +391,11 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer('seed', 0, 'Seed of the first draw; draw i uses seed + i.',
                        lower_bound=0, flag_values=fv)
   flags.DEFINE_string('output', None, 'Append one JSON line per draw here.', flag_values=fv)
-  flags.DEFINE_enum('mode', 'generate', ['generate', 'job', 'pipeline'],
+  flags.DEFINE_enum('mode', 'generate', ['generate', 'job', 'pipeline', 'pipeline_job'],
                     'generate: prompts through Engine.generate (and Engine.score); job: a batch '
                     'job\'s rows through --input/--output; pipeline: prompts through 2-3 '
-                    'processes (flexjax.launch).', flag_values=fv)
+                    'processes (flexjax.launch); pipeline_job: a batch job through 2-3 '
+                    'processes.', flag_values=fv)
 
 
 def main(argv) -> None:
@@ -378,7 +405,8 @@ def main(argv) -> None:
   fv = flags.FLAGS
   bad = 0
   for seed in range(fv.seed, fv.seed + fv.draws):
-    draw = dict(generate=draw_case, job=draw_job_case, pipeline=draw_pipeline_case)[fv.mode]
+    draw = dict(generate=draw_case, job=draw_job_case, pipeline=draw_pipeline_case,
+                pipeline_job=draw_pipeline_job_case)[fv.mode]
     row = run_case(draw(seed))
     bad += not row['ok']
     print(f'seed {seed}: {"ok" if row["ok"] else "DIFFERS"} ({describe(row)})'
