@@ -45,6 +45,15 @@ def define_launch_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
 
 
 def main(argv) -> int:
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # the stages were stopped; a job's synced outputs stay
+    from flexjax.main import interrupted
+    print(interrupted(flags.FLAGS.input, flags.FLAGS.output), file=sys.stderr)
+    return 130
+
+
+def _main(argv) -> int:
   if len(argv) > 1:
     print(f'flexjax: error: unexpected arguments {argv[1:]}; every option is a --flag',
           file=sys.stderr)
@@ -114,7 +123,7 @@ def supervise(process_id: int, n: int, args: list[str]) -> int:
     code = proc.wait()
   except KeyboardInterrupt:
     _stop([proc])
-    return 130
+    raise
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -225,7 +234,7 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
     return 2 if code == 2 else 1
   except KeyboardInterrupt:
     _stop(procs)
-    return 130
+    raise
   finally:
     for p in procs:
       if p.poll() is None:

@@ -39,11 +39,16 @@ def main(argv) -> int:
     return 2
   except KeyboardInterrupt:
     # the run's own folders are removed on the way out; a job's synced outputs stay
-    kept = (f'; {rc.output!r} keeps the rows written so far: run the same command again to '
-            'resume') if rc is not None and rc.input and rc.output else ''
-    print(f'flexjax: interrupted{kept}', file=sys.stderr)
+    print(interrupted(rc.input if rc else None, rc.output if rc else None), file=sys.stderr)
     return 130
   return 0
+
+
+def interrupted(job_input: str | None, output: str | None) -> str:
+  """The line a run stopped by Ctrl-C ends with: a job's output keeps its finished blocks."""
+  kept = (f'; {output!r} keeps the rows written so far: run the same command again to '
+          'resume') if job_input and output else ''
+  return f'flexjax: interrupted{kept}'
 
 
 def table(report: dict) -> str:

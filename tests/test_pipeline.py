@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, TINY_SHAPES, make_hf_model
+from conftest import PROMPTS, TINY_SHAPES, interruptible, make_hf_model
 from flexjax import config as config_lib
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig
@@ -222,9 +222,9 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   """A batch job (--input) through a pipeline: bad rows, mixed lengths and per-row limits,
   bucketed blocks, the output written by stage 0 block by block. Its writes failing part-way
   (a file size limit on every stage stands in for a full disk) stop both stages with one
-  line; one process then resumes the job after its last complete block (and stops further on),
-  the pipeline finishes it, and the output equals the uninterrupted one-process job's, byte for
-  byte."""
+  line, as does Ctrl-C to the launcher; one process then resumes the job after its last complete
+  block (and stops at the last), the pipeline finishes it, and the output equals the
+  uninterrupted one-process job's, byte for byte."""
   import numpy as np
   rng = np.random.default_rng(5)
   rows = [{'id': f'r{i}', 'tokens': [2] + rng.integers(4, 900, int(n) - 1).tolist(),
@@ -258,11 +258,23 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   assert f"writing --output={str(out)!r} failed (File too large)" in full.stderr
   state = json.loads(out.with_name('out.jsonl.progress').read_text())
   assert 0 < state['bytes'] <= 600 and expected.startswith(out.read_bytes()[:state['bytes']])
+  # Ctrl-C to the launcher, wherever it lands: its stages stop, one line, whole blocks kept
+  proc = subprocess.Popen(interruptible([sys.executable, *launch_cmd]), cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  time.sleep(4)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and err.splitlines() == [
+      f"flexjax: interrupted; {str(out)!r} keeps the rows written so far: run the same command "
+      'again to resume'], err[-3000:]
+  before, state = state, json.loads(out.with_name('out.jsonl.progress').read_text())
+  assert before['bytes'] <= state['bytes'] < len(expected)
+  assert expected.startswith(out.read_bytes()[:state['bytes']])
   # one process takes the job up where the pipeline left it, and stops at its last block
   further = limited(len(expected) - 1, '-m', 'flexjax.main', *common, f'--output={out}')
   assert further.returncode == 2 and 'File too large' in further.stderr, further.stderr[-3000:]
   before, state = state, json.loads(out.with_name('out.jsonl.progress').read_text())
-  assert before['bytes'] < state['bytes'] < len(expected)
+  assert before['bytes'] <= state['bytes'] < len(expected) and state['rows'] < 10
   assert expected.startswith(out.read_bytes()[:state['bytes']])
 
   report = tmp_path / 'report.json'
