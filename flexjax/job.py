@@ -11,8 +11,11 @@ file beside it (`<output>.progress`) records the blocks done and the output's le
 A job killed at any moment and started again with the same command cuts the output back to the
 recorded length and runs the blocks not recorded: no row is lost or written twice, and the blocks
 are the same as in an uninterrupted run, so greedy outputs are identical. The progress file also
-keeps the policy of the first run (a searched policy is not searched again). When the job is
-complete the progress file is removed.
+keeps the policies the job ran with, one per pipeline stage for each number of stages it ran on
+(one process: one stage): a run on a layout the job has used takes its recorded policies again
+(a searched policy is not searched again); a run on another layout keeps the block shape and the
+approximations (what the blocks and the outputs depend on) and chooses only its placement. When
+the job is complete the progress file is removed.
 """
 
 from __future__ import annotations
@@ -269,7 +272,7 @@ class JobOutput:
     self.marker = self.path.with_name(self.path.name + '.progress')
     self.job = job
     self.done: set[int] = set()
-    self.policy: dict | None = None
+    self.policies: dict[str, list[dict]] = {}  # number of stages -> each stage's policy
     self.rows = 0
     self._bytes = 0
     self._file = None
@@ -298,15 +301,17 @@ class JobOutput:
       raise FlexjaxError(f'--output={str(self.path)!r} is shorter ({have} bytes) than its '
                          f'progress file records ({size}); it was changed outside the job: '
                          'remove both to start again')
-    self.done, self._bytes, self.rows, self.policy = done, size, rows, state.get('policy')
+    self.done, self._bytes, self.rows = done, size, rows
+    self.policies = state.get('policies') or (
+        {'1': [state['policy']]} if state.get('policy') else {})  # an earlier version's file
     return True
 
-  def open(self, policy: Policy) -> None:
-    """Starts writing: records the policy (a fresh job), cuts off what an interrupted block
-    left after the last recorded one."""
+  def open(self, policies: Sequence[Policy]) -> None:
+    """Starts writing: records the stages' policies (where the job has not run on as many
+    stages before), cuts off what an interrupted block left after the last recorded one."""
     try:
-      if self.policy is None:
-        self.policy = dataclasses.asdict(policy)
+      if str(len(policies)) not in self.policies:
+        self.policies[str(len(policies))] = [dataclasses.asdict(p) for p in policies]
         self._save_marker()
       fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
       os.ftruncate(fd, self._bytes)
@@ -350,10 +355,30 @@ class JobOutput:
       self._file = None
 
   def _save_marker(self) -> None:
-    state = {'format': FORMAT, 'job': self.job, 'policy': self.policy, 'bytes': self._bytes,
+    state = {'format': FORMAT, 'job': self.job, 'policies': self.policies, 'bytes': self._bytes,
              'rows': self.rows, 'done': sorted(self.done)}
     scratch.replace_file(self.marker, json.dumps(state) + '\n')
     _sync_folder(self.path.parent)
+
+
+# What a job keeps when it runs on another number of stages: its blocks and its outputs depend on
+# these; the rest (the placement, the schedule's overlap) is chosen again.
+KEPT_FIELDS = ('gpu_batch_size', 'num_gpu_batches', 'compress_weight', 'compress_cache',
+               'compress_bits', 'compress_group_size', 'attn_sparsity')
+
+
+def resumed_policy(policies: dict[str, list[dict]], *, stages: int, stage: int,
+                   template: Policy) -> tuple[Policy | None, bool]:
+  """What a run of a job on `stages` stages starts from, for its stage `stage`:
+  (policy, final). The policy this layout recorded: final. Where the job ran on another layout
+  only: `template` with that run's KEPT_FIELDS, its placement still to choose for that block
+  shape (not final). A fresh job: (None, False)."""
+  if str(stages) in policies:
+    return Policy(**policies[str(stages)][stage]), True
+  if not policies:
+    return None, False
+  earlier = next(iter(policies.values()))[0]
+  return dataclasses.replace(template, **{k: earlier[k] for k in KEPT_FIELDS}), False
 
 
 def _sync_folder(folder: Path) -> None:
@@ -494,15 +519,15 @@ def run_job(rc) -> dict[str, Any]:
              'bad_rows': len(bad)}
   if not rows:
     head, blocks, tally = {'model': cfg.name}, [], Tally()
-    policy = Policy(**output.policy) if output.policy else rc.policy
+    policy = resumed_policy(output.policies, stages=1, stage=0, template=rc.policy)[0] or rc.policy
   else:
     prompt_len, gen_len = largest_shape(rows, bucket=rc.bucket, max_positions=cfg.max_positions)
-    if output.policy is not None:  # a resumed job keeps its first run's policy
-      policy, prediction = Policy(**output.policy), None
-    else:
+    policy, final = resumed_policy(output.policies, stages=1, stage=0, template=rc.policy)
+    prediction = None
+    if not final:
       policy, prediction = run_lib.choose_policy(rc, cfg, st.planner, st.budgets, st.profile,
                                                  prompt_len, gen_len=gen_len,
-                                                 num_sequences=len(rows))
+                                                 num_sequences=len(rows), kept=policy)
     head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                         gen_len=gen_len)
     if problem is not None and not rc.dry_run:
@@ -513,7 +538,7 @@ def run_job(rc) -> dict[str, Any]:
   if rc.dry_run:
     return {**head, **summary}
   done_before = output.rows
-  output.open(policy)
+  output.open([policy])
   try:
     if bad and -1 not in output.done:
       output.write_block(-1, [bad_record(b) for b in bad])

@@ -184,17 +184,17 @@ class Link:
     return (out.addressable_shards[0].data[0],
             np.asarray(total.addressable_shards[0].data[0]))
 
-  def share(self, value, process_id: int):
-    """Process 0's JSON-able `value`, on every process (the others' `value` is not read)."""
-    data = json.dumps(value).encode() if process_id == 0 else b''
-    size = int(self.gather([len(data)], process_id)[0, 0])
-    sent = np.zeros(-(-size // 7), np.int64)  # 7 bytes per value: gather takes 61 bits
-    if process_id == 0:
-      padded = np.frombuffer(data.ljust(len(sent) * 7, b'\0'), np.uint8).reshape(-1, 7)
-      sent = (padded.astype(np.int64) << (8 * np.arange(7))).sum(axis=1)
-    got = self.gather(sent.tolist(), process_id)[0]
-    data = ((got[:, None] >> (8 * np.arange(7))) & 255).astype(np.uint8).tobytes()[:size]
-    return json.loads(data)
+  def everyone(self, value, process_id: int) -> list:
+    """Every process's JSON-able `value`, in process order (sent as bytes, 7 per gathered int:
+    gather takes 61 bits)."""
+    data = json.dumps(value).encode()
+    sizes = self.gather([len(data)], process_id)[:, 0]
+    width = -(-int(sizes.max()) // 7)
+    padded = np.frombuffer(data.ljust(width * 7, b'\0'), np.uint8).reshape(width, 7)
+    mine = (padded.astype(np.int64) << (8 * np.arange(7))).sum(axis=1)
+    rows = self.gather(mine.tolist(), process_id)
+    return [json.loads(((row[:, None] >> (8 * np.arange(7))) & 255).astype(np.uint8)
+                       .tobytes()[:size]) for row, size in zip(rows, sizes)]
 
   def gather(self, values: list[int], process_id: int) -> np.ndarray:
     """[num_processes, len(values)] of every process's non-negative ints below 2**61 (sent as

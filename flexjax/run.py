@@ -245,20 +245,23 @@ def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
 
 def choose_policy(rc: RunConfig, cfg, planner: plan_lib.Planner, budgets, profile,
                   prompt_len: int, gen_len: int | None = None,
-                  num_sequences: int | None = None):
+                  num_sequences: int | None = None, kept: Policy | None = None):
   """The policy to run and its prediction: searched (--policy=auto; for `num_sequences`
-  sequences where the run knows how many, see search.search) or hand-given."""
+  sequences where the run knows how many, see search.search) or hand-given. kept: a resumed
+  job's block shape and approximations (job.resumed_policy), the template then (a search keeps
+  its block shape)."""
   gen_len = gen_len or rc.generation.gen_len
+  template = kept or rc.policy
   if rc.policy_mode == 'auto':
     found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
-                          sizes=planner.sizes, planner=planner, template=rc.policy,
-                          max_block_seconds=rc.max_block_seconds,
-                          max_block_size=rc.max_block_size, num_sequences=num_sequences)
+                          sizes=planner.sizes, planner=planner, template=template,
+                          max_block_seconds=rc.max_block_seconds, num_sequences=num_sequences,
+                          **search.shape_choices(kept, rc.max_block_size))
     return found.policy, found.prediction
   if profile is None:
-    return rc.policy, None
-  return rc.policy, cost_model.predict(cfg, rc.policy, profile, planner.sizes,
-                                       prompt_len=prompt_len, gen_len=gen_len, planner=planner)
+    return template, None
+  return template, cost_model.predict(cfg, template, profile, planner.sizes,
+                                      prompt_len=prompt_len, gen_len=gen_len, planner=planner)
 
 
 @dataclasses.dataclass

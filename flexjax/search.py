@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -166,6 +166,15 @@ def _moves_off(policy: Policy, tier: str) -> Iterator[dict[str, float]]:
       yield {'cache_cpu_percent': policy.cache_cpu_percent - row}
     if policy.rows('act')['host'] > 0:
       yield {'act_cpu_percent': policy.act_cpu_percent - row}
+
+
+def shape_choices(kept: Policy | None, max_block_size: int) -> dict[str, Any]:
+  """search's block-shape arguments: any shape up to max_block_size, or only `kept`'s (a
+  resumed job's blocks are its first run's)."""
+  if kept is None:
+    return {'max_block_size': max_block_size}
+  return {'gpu_batch_sizes': (kept.gpu_batch_size,), 'num_gpu_batches': (kept.num_gpu_batches,),
+          'max_block_size': max(max_block_size, kept.block_size)}
 
 
 def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None], *,

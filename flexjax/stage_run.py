@@ -83,19 +83,20 @@ def agree(link: Link, process_id: int, error: FlexjaxError | None, what: str) ->
   raise OtherStageFailed(f'stage {first} {what}')
 
 
-def _search(rc, st, prompt_len: int, gen_len: int, num_sequences: int | None, shape=None):
-  kw = {} if shape is None else dict(gpu_batch_sizes=[shape[0]], num_gpu_batches=[shape[1]])
+def _search(rc, st, prompt_len: int, gen_len: int, num_sequences: int | None,
+            template: Policy, shape: Policy | None = None):
   found = search.search(st.cfg, st.profile, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
-                        sizes=st.planner.sizes, planner=st.planner, template=rc.policy,
-                        max_block_seconds=rc.max_block_seconds,
-                        max_block_size=rc.max_block_size, num_sequences=num_sequences, **kw)
+                        sizes=st.planner.sizes, planner=st.planner, template=template,
+                        max_block_seconds=rc.max_block_seconds, num_sequences=num_sequences,
+                        **search.shape_choices(shape, rc.max_block_size))
   return found.policy, found.prediction
 
 
 def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_len: int,
-                  num_sequences: int | None = None):
+                  num_sequences: int | None = None, kept: Policy | None = None):
   """This stage's policy and prediction (for `num_sequences` sequences where the run knows
-  how many: see search.search).
+  how many: see search.search; `kept`: a resumed job's block shape and approximations, see
+  run.choose_policy).
 
   Given by flags: the flags' (the same block shape everywhere). --policy=auto: every stage
   searches the best policy for its own layers within its own budgets; as micro-batches stream
@@ -106,10 +107,11 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
   from flexjax import run as run_lib
   if rc.policy_mode != 'auto':
     return run_lib.choose_policy(rc, st.cfg, st.planner, st.budgets, st.profile, prompt_len,
-                                 gen_len, num_sequences=num_sequences)
+                                 gen_len, num_sequences=num_sequences, kept=kept)
+  template = kept or rc.policy
   error, own = None, None
   try:
-    own = _search(rc, st, prompt_len, gen_len, num_sequences)
+    own = _search(rc, st, prompt_len, gen_len, num_sequences, template, kept)
   except FlexjaxError as e:
     error = e
   agree(link, process_id, error, 'has no policy within its budgets')
@@ -119,7 +121,8 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
   for shape in shapes:
     try:
       found = own if shape == (own[0].gpu_batch_size, own[0].num_gpu_batches) else _search(
-          rc, st, prompt_len, gen_len, num_sequences, shape)
+          rc, st, prompt_len, gen_len, num_sequences, template,
+          dataclasses.replace(template, gpu_batch_size=shape[0], num_gpu_batches=shape[1]))
     except FlexjaxError:
       found = None
     options.append(found)
@@ -202,15 +205,16 @@ def _start(rc, num_processes: int, process_id: int, processes_per_host: int) -> 
 
 
 def _plan(stage: _Stage, *, prompt_len: int, gen_len: int, num_sequences: int | None,
-          policy: Policy | None = None):
-  """This stage's policy (given: a resumed job's; else chosen) and prediction, its report head,
-  and every stage's policy row; unless a dry run, every stage fits or none goes on."""
+          policy: Policy | None = None, final: bool = False):
+  """This stage's policy (final: a resumed job's own; else chosen, keeping `policy`'s block
+  shape and approximations where given) and prediction, its report head, and every stage's
+  policy row; unless a dry run, every stage fits or none goes on."""
   from flexjax import run as run_lib
   rc, st, p = stage.rc, stage.st, stage.process_id
   prediction = None
-  if policy is None:
+  if not final:
     policy, prediction = choose_policy(rc, st, stage.link, p, prompt_len=prompt_len,
-                                       gen_len=gen_len, num_sequences=num_sequences)
+                                       gen_len=gen_len, num_sequences=num_sequences, kept=policy)
   head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                       gen_len=gen_len)
   rows = stage.link.gather(_policy_row(policy, prediction), p)
@@ -308,23 +312,24 @@ def _run_job(stage: _Stage) -> dict | None:
   except FlexjaxError as e:
     error = e
   agree(link, p, error, 'cannot write the output')
-  state = link.share({'policy': output.policy, 'done': sorted(output.done), 'rows': output.rows,
-                      'resumed': resumed} if output else None, p)
+  state = link.everyone({'policies': output.policies, 'done': sorted(output.done),
+                         'rows': output.rows, 'resumed': resumed} if output else None, p)[0]
   done = set(state['done'])
   summary = {'input': rc.input, 'output': str(output.path) if output else rc.output,
-             'rows': len(rows) + len(bad),
-             'bad_rows': len(bad)}
+             'rows': len(rows) + len(bad), 'bad_rows': len(bad)}
   gen_len, blocks, report = rc.generation.gen_len, [], {}
-  policy, problem, policy_rows = (Policy(**state['policy']) if state['policy'] else rc.policy,
-                                  None, None)
+  policy, final = job_lib.resumed_policy(state['policies'], stages=link.n, stage=p,
+                                         template=rc.policy)
+  problem = policy_rows = None
   if rows:
     prompt_len, gen_len = job_lib.largest_shape(rows, bucket=rc.bucket,
                                                 max_positions=cfg.max_positions)
     policy, report, problem, policy_rows = _plan(
-        stage, prompt_len=prompt_len, gen_len=gen_len, num_sequences=len(rows),
-        policy=Policy(**state['policy']) if state['policy'] else None)
+        stage, prompt_len=prompt_len, gen_len=gen_len, num_sequences=len(rows), policy=policy,
+        final=final)
     blocks = job_lib.plan_blocks(rows, policy.block_size, bucket=rc.bucket,
                                  max_positions=cfg.max_positions)
+  policy = policy or rc.policy  # a job of bad rows only: nothing runs
   summary['blocks'] = len(blocks)
   if rc.dry_run:
     report = {**report, **summary}
@@ -341,11 +346,12 @@ def _run_job(stage: _Stage) -> dict | None:
     agree(link, p, error, 'could not write the output; run the same command again to resume')
 
   tally = job_lib.Tally()
+  stage_policies = [Policy(**d) for d in link.everyone(dataclasses.asdict(policy), p)]
   try:
     error = None
     try:
-      if output:
-        output.open(policy)
+      if output:  # every stage's policy, recorded for this number of stages
+        output.open(stage_policies)
     except FlexjaxError as e:
       error = e
     agree(link, p, error, 'cannot write the output')

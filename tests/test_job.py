@@ -257,6 +257,24 @@ def test_a_full_output_disk_is_one_line_and_the_job_resumes(pre_ln, tmp_path):
   assert out.read_bytes() == expected
 
 
+def test_a_resumed_job_keeps_its_layouts_policies_and_elsewhere_its_blocks():
+  """The policies a job recorded per number of stages: a run on a recorded layout takes its
+  stage's policy whole; on another layout, the flags' policy with the recorded block shape and
+  approximations (its placement still to choose); a fresh job chooses freely."""
+  import dataclasses
+  first = Policy(gpu_batch_size=3, num_gpu_batches=2, w_gpu_percent=40, w_cpu_percent=60,
+                 compress_cache=True, attn_sparsity=0.5)
+  second = dataclasses.replace(first, w_gpu_percent=0, w_cpu_percent=100, cpu_attention=True)
+  recorded = {'2': [dataclasses.asdict(first), dataclasses.asdict(second)]}
+  flags_policy = Policy(gpu_batch_size=8, w_gpu_percent=10, w_cpu_percent=20, overlap=False)
+  assert job_lib.resumed_policy(recorded, stages=2, stage=1, template=flags_policy) == (
+      second, True)
+  kept, final = job_lib.resumed_policy(recorded, stages=1, stage=0, template=flags_policy)
+  assert not final and kept == dataclasses.replace(
+      flags_policy, gpu_batch_size=3, num_gpu_batches=2, compress_cache=True, attn_sparsity=0.5)
+  assert job_lib.resumed_policy({}, stages=1, stage=0, template=flags_policy) == (None, False)
+
+
 def test_derived_seeds_and_buckets():
   assert job_lib.derived_seed(0, 'a') == job_lib.derived_seed(0, 'a')
   assert job_lib.derived_seed(0, 'a') != job_lib.derived_seed(1, 'a')

@@ -229,7 +229,8 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   rng = np.random.default_rng(5)
   rows = [{'id': f'r{i}', 'tokens': [2] + rng.integers(4, 900, int(n) - 1).tolist(),
            'max_new_tokens': int(m)}
-          for i, (n, m) in enumerate(zip(rng.choice([3, 6, 11, 20], 9), rng.choice([1, 3, 5], 9)))]
+          for i, (n, m) in enumerate(zip(rng.choice([3, 6, 11, 20], 30),
+                                         rng.choice([1, 3, 5], 30)))]
   lines = [json.dumps(r) for r in rows] + ['{"id": "broken"']
   rows_path = tmp_path / 'rows.jsonl'
   rows_path.write_text('\n'.join(lines) + '\n')
@@ -240,7 +241,7 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
                        cwd=ROOT, capture_output=True, text=True, timeout=240)
   assert one.returncode == 0, one.stderr[-2000:]
   expected = reference.read_bytes()
-  assert expected.count(b'\n') == 10 and len(expected) > 900
+  assert expected.count(b'\n') == 31 and len(expected) > 3000
 
   out = tmp_path / 'out.jsonl'
   launch_cmd = ['-m', 'flexjax.launch', '--num_processes=2', *common, f'--output={out}']
@@ -252,12 +253,12 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
          'os.execv(sys.executable, [sys.executable] + sys.argv[1:])', *argv],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
 
-  full = limited(600, *launch_cmd)
+  full = limited(1500, *launch_cmd)  # the progress file, with two stages' policies, fits
   assert full.returncode == 2, full.stderr[-3000:]
   assert 'Traceback' not in full.stderr and full.stderr.count('\n') == 1, full.stderr
   assert f"writing --output={str(out)!r} failed (File too large)" in full.stderr
   state = json.loads(out.with_name('out.jsonl.progress').read_text())
-  assert 0 < state['bytes'] <= 600 and expected.startswith(out.read_bytes()[:state['bytes']])
+  assert 0 < state['bytes'] <= 1500 and expected.startswith(out.read_bytes()[:state['bytes']])
   # Ctrl-C to the launcher, wherever it lands: its stages stop, one line, whole blocks kept
   proc = subprocess.Popen(interruptible([sys.executable, *launch_cmd]), cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -270,12 +271,19 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   before, state = state, json.loads(out.with_name('out.jsonl.progress').read_text())
   assert before['bytes'] <= state['bytes'] < len(expected)
   assert expected.startswith(out.read_bytes()[:state['bytes']])
-  # one process takes the job up where the pipeline left it, and stops at its last block
-  further = limited(len(expected) - 1, '-m', 'flexjax.main', *common, f'--output={out}')
+  # one process takes the job up where the pipeline left it, and stops at its last block; it
+  # keeps the job's block shape (its blocks) over the flags' and records its own policy
+  further = limited(len(expected) - 1, '-m', 'flexjax.main', *common, f'--output={out}',
+                    '--gpu_batch_size=4', '--num_gpu_batches=1')
   assert further.returncode == 2 and 'File too large' in further.stderr, further.stderr[-3000:]
   before, state = state, json.loads(out.with_name('out.jsonl.progress').read_text())
-  assert before['bytes'] <= state['bytes'] < len(expected) and state['rows'] < 10
+  assert before['bytes'] <= state['bytes'] < len(expected) and state['rows'] < 31
   assert expected.startswith(out.read_bytes()[:state['bytes']])
+  (one,), (first, second) = state['policies']['1'], state['policies']['2']
+  assert (one['gpu_batch_size'], one['num_gpu_batches']) == (2, 2) and first == second
+  # each stage runs the policy recorded for it: stage 1's placement made another here
+  second.update(w_gpu_percent=0, w_cpu_percent=100, cache_gpu_percent=0, cache_cpu_percent=100)
+  out.with_name('out.jsonl.progress').write_text(json.dumps(state))
 
   report = tmp_path / 'report.json'
   done = subprocess.run([sys.executable, *launch_cmd, f'--report_json={report}'], cwd=ROOT,
@@ -285,8 +293,10 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   assert not out.with_name('out.jsonl.progress').exists()
   row = json.loads(report.read_text())
   assert row['resumed'] and row['rows_written_before'] == state['rows'] and row['bad_rows'] == 1
-  assert row['rows_generated'] == 9 - (state['rows'] - 1)
+  assert row['rows_generated'] == 30 - (state['rows'] - 1)
   assert row['pipeline_stages'] == 2 and row['stage1']['holds'] == 'layers 2-3 + head'
+  assert [row[f'stage{q}']['policy'] for q in range(2)] == [
+      Policy(**first).describe(), Policy(**second).describe()]
   for stage in ('stage0', 'stage1'):  # each stage's peak RSS, from the kernel, within its plan
     assert 0 < row[stage]['measured_ram_peak_bytes'] <= row[stage]['planned_ram_peak_bytes']
 
