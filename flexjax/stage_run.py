@@ -297,6 +297,7 @@ def _run_job(stage: _Stage) -> dict | None:
   resumes the job after its last complete block, in one process or in a pipeline alike."""
   from flexjax import job as job_lib
   from flexjax import progress as progress_lib
+  from flexjax import run as run_lib
   rc, st, cfg, link, p = stage.rc, stage.st, stage.cfg, stage.link, stage.process_id
   text = job_lib.read_input(rc)
   rows, bad = job_lib.parse_rows(text, cfg, st.tokenizer, rc.generation)
@@ -367,7 +368,6 @@ def _run_job(stage: _Stage) -> dict | None:
   finally:
     if output:
       output.close()
-  from flexjax import run as run_lib
   report.update(summary, resumed=state['resumed'], rows_written_before=state['rows'],
                 rows_generated=tally.rows, generated_tokens=tally.generated,
                 generation_s=round(tally.seconds, 3),
