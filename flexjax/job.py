@@ -410,15 +410,16 @@ class Tally:
 
 def run_blocks(engine: Engine, blocks: Sequence[Block], done: set[int],
                write: Callable[[int, list[dict]], None], *, tokenizer: Tokenizer | None,
-               stop_at_eos: bool, show_progress: bool) -> Tally:
+               stop_at_eos: bool, show_progress: bool, progress_stream=None) -> Tally:
   """Generates the blocks not in `done`, handing each block's records to write(block number,
-  records) as it completes (JobOutput.write_block: durably)."""
+  records) as it completes (JobOutput.write_block: durably); the bar on progress_stream
+  (default stderr)."""
   todo = [b for b in blocks if b.number not in done]
   tally = Tally()
   eos = engine.config.eos_token_id
   slots = engine.policy.block_size
   with progress_lib.bar(sum(len(b.rows) for b in blocks), 'generating', unit='row',
-                        show=show_progress) as bar:
+                        show=show_progress, stream=progress_stream) as bar:
     bar.update(sum(len(b.rows) for b in blocks if b.number in done))
     shape = None
     for block in todo:

@@ -5,6 +5,7 @@ before any stage allocates, the run, and the report (process 0)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import numpy as np
@@ -360,9 +361,12 @@ def _run_job(stage: _Stage) -> dict | None:
       write(-1, [job_lib.bad_record(b) for b in bad])
     if any(b.number not in done for b in blocks):
       with stage.engine(policy) as engine:
-        tally = job_lib.run_blocks(engine, blocks, done, write, tokenizer=st.tokenizer,
-                                   stop_at_eos=rc.generation.stop_at_eos,
-                                   show_progress=p == 0 and progress_lib.enabled(rc.progress))
+        # stage 0's stdout is the launcher's (its stderr a log the launcher reads)
+        tally = job_lib.run_blocks(
+            engine, blocks, done, write, tokenizer=st.tokenizer,
+            stop_at_eos=rc.generation.stop_at_eos,
+            show_progress=p == 0 and progress_lib.enabled(rc.progress, sys.stdout),
+            progress_stream=sys.stdout)
     if output:
       output.finish()
   finally:

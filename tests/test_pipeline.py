@@ -1,11 +1,16 @@
 """Pipeline parallelism over local processes on jax.distributed: tokens equal a single process's,
 layers split by cost, and a dead stage stops the others with one line."""
 
+import fcntl
 import json
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 from pathlib import Path
 
@@ -285,10 +290,35 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   second.update(w_gpu_percent=0, w_cpu_percent=100, cache_gpu_percent=0, cache_cpu_percent=100)
   out.with_name('out.jsonl.progress').write_text(json.dumps(state))
 
+  # the pipeline finishes the job, its progress bar on the launcher's terminal
   report = tmp_path / 'report.json'
-  done = subprocess.run([sys.executable, *launch_cmd, f'--report_json={report}'], cwd=ROOT,
-                        capture_output=True, text=True, timeout=240)
+  terminal, stage_side = pty.openpty()
+  fcntl.ioctl(stage_side, termios.TIOCSWINSZ, struct.pack('HHHH', 24, 100, 0, 0))  # 100 columns
+  shown: list[bytes] = []
+
+  def drain():
+    while True:
+      try:
+        data = os.read(terminal, 4096)
+      except OSError:  # every holder of the other end has closed it
+        return
+      if not data:
+        return
+      shown.append(data)
+
+  reader = threading.Thread(target=drain)
+  reader.start()
+  try:
+    done = subprocess.run([sys.executable, *launch_cmd, f'--report_json={report}', '--progress'],
+                          cwd=ROOT, stdout=stage_side, stderr=subprocess.PIPE, text=True,
+                          timeout=240)
+  finally:
+    os.close(stage_side)
+    reader.join(timeout=30)
+    os.close(terminal)
   assert done.returncode == 0, done.stderr[-3000:]
+  screen = b''.join(shown).decode(errors='replace')
+  assert 'generating' in screen and '30/30' in screen, screen[-2000:]
   assert out.read_bytes() == expected
   assert not out.with_name('out.jsonl.progress').exists()
   row = json.loads(report.read_text())
