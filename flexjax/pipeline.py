@@ -17,8 +17,8 @@ the early stop at EOS agree everywhere without messages of their own.
 from __future__ import annotations
 
 import dataclasses
-import json
 import functools
+import json
 import time
 from pathlib import Path
 

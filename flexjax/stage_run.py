@@ -16,8 +16,6 @@ from flexjax.pipeline import Link, StageEngine, StageWeights, Topology, split_la
 from flexjax.policy import Policy
 
 _TIERS = ('device', 'host', 'disk', 'ram')
-_PERCENTS = ('w_gpu_percent', 'w_cpu_percent', 'cache_gpu_percent', 'cache_cpu_percent',
-             'act_gpu_percent', 'act_cpu_percent')
 
 
 class OtherStageFailed(FlexjaxError):
@@ -139,18 +137,14 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
   return options[best]
 
 
-def _policy_row(policy: Policy, prediction) -> list[int]:
-  """A policy's placement and geometry, and its predicted block seconds, as non-negative ints."""
-  times = [0, 0] if prediction is None else [round(prediction.prefill_s * 1e6) + 1,
-                                             round(prediction.decode_s * 1e6) + 1]
-  return ([policy.gpu_batch_size, policy.num_gpu_batches, int(policy.cpu_attention)]
-          + [round(getattr(policy, name) * 1000) for name in _PERCENTS] + times)
+@dataclasses.dataclass(frozen=True)
+class _StagePlan:
+  """One stage's policy and its predicted block seconds (None: no prediction), as every stage
+  learns them (Link.everyone)."""
 
-
-def _policy_of(template: Policy, row) -> Policy:
-  return dataclasses.replace(template, gpu_batch_size=int(row[0]), num_gpu_batches=int(row[1]),
-                             cpu_attention=bool(row[2]),
-                             **{name: row[3 + i] / 1000 for i, name in enumerate(_PERCENTS)})
+  policy: Policy
+  prefill_s: float | None
+  decode_s: float | None
 
 
 def check_config(rc) -> None:
@@ -218,16 +212,19 @@ def _plan(stage: _Stage, *, prompt_len: int, gen_len: int, num_sequences: int | 
                                        gen_len=gen_len, num_sequences=num_sequences, kept=policy)
   head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                       gen_len=gen_len)
-  rows = stage.link.gather(_policy_row(policy, prediction), p)
+  mine = {'policy': dataclasses.asdict(policy),
+          'prefill_s': prediction.prefill_s if prediction else None,
+          'decode_s': prediction.decode_s if prediction else None}
+  plans = [_StagePlan(Policy(**d.pop('policy')), **d) for d in stage.link.everyone(mine, p)]
   if not rc.dry_run:  # every stage's fit is known before any raises
     error = None if problem is None else FlexjaxError(
         f'stage {p} ({_holds(stage.ranges, p)}): {problem}')
     agree(stage.link, p, error, "does not fit its budgets; no stage allocated anything")
-  return policy, head, problem, rows
+  return policy, head, problem, plans
 
 
-def _stage_report(stage: _Stage, report: dict, *, policy: Policy, problem, rows, gen_len: int,
-                  ran: bool) -> dict | None:
+def _stage_report(stage: _Stage, report: dict, *, policy: Policy, problem,
+                  plans: list[_StagePlan], gen_len: int, ran: bool) -> dict | None:
   """Every stage's layers, policy and planned and measured peaks, on process 0 (None
   elsewhere), added to `report`; with the pipeline's predicted throughput."""
   rc, st = stage.rc, stage.st
@@ -243,12 +240,13 @@ def _stage_report(stage: _Stage, report: dict, *, policy: Policy, problem, rows,
   if rc.dry_run:
     report['fits'] = bool(every[:, 0].all())
     report.pop('does_not_fit', None)
-  if rows[:, -1].all():  # every stage has a prediction
-    pre, dec = pipeline_seconds(rows[:, -2] / 1e6, rows[:, -1] / 1e6, policy.num_gpu_batches)
+  if all(plan.decode_s is not None for plan in plans):  # every stage has a prediction
+    pre, dec = pipeline_seconds([plan.prefill_s for plan in plans],
+                                [plan.decode_s for plan in plans], policy.num_gpu_batches)
     report['predicted_total_tok_s'] = round(policy.block_size * gen_len / (pre + dec), 3)
     report['predicted_block_s'] = round(pre + dec, 3)
   for q, row in enumerate(every):
-    entry = {'holds': _holds(stage.ranges, q), 'policy': _policy_of(policy, rows[q]).describe()}
+    entry = {'holds': _holds(stage.ranges, q), 'policy': plans[q].policy.describe()}
     if rc.dry_run:
       entry['fits'] = bool(row[0])
     entry.update({f'planned_{tier}_peak_bytes': int(v)
@@ -275,8 +273,8 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
   st, cfg = stage.st, stage.cfg
   given = run_lib.run_prompts(rc, cfg, st.tokenizer)
   gen_len = rc.generation.gen_len
-  policy, head, problem, rows = _plan(stage, prompt_len=given.length, gen_len=gen_len,
-                                      num_sequences=given.count)
+  policy, head, problem, plans = _plan(stage, prompt_len=given.length, gen_len=gen_len,
+                                       num_sequences=given.count)
   result = engine = None
   if not rc.dry_run:
     prompts, texts = given.for_policy(cfg, policy, seed=rc.generation.seed)
@@ -287,7 +285,7 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
     if rc.output:
       run_lib.write_outputs(rc.output, prompts, texts, result, st.tokenizer)
     report.update(run_lib.report(rc, engine, result, st.watch.peaks()))
-  return _stage_report(stage, report, policy=policy, problem=problem, rows=rows,
+  return _stage_report(stage, report, policy=policy, problem=problem, plans=plans,
                        gen_len=gen_len, ran=result is not None)
 
 
@@ -322,21 +320,26 @@ def _run_job(stage: _Stage) -> dict | None:
   gen_len, blocks, report = rc.generation.gen_len, [], {}
   policy, final = job_lib.resumed_policy(state['policies'], stages=link.n, stage=p,
                                          template=rc.policy)
-  problem = policy_rows = None
+  problem, plans = None, []
   if rows:
     prompt_len, gen_len = job_lib.largest_shape(rows, bucket=rc.bucket,
                                                 max_positions=cfg.max_positions)
-    policy, report, problem, policy_rows = _plan(
+    policy, report, problem, plans = _plan(
         stage, prompt_len=prompt_len, gen_len=gen_len, num_sequences=len(rows), policy=policy,
         final=final)
     blocks = job_lib.plan_blocks(rows, policy.block_size, bucket=rc.bucket,
                                  max_positions=cfg.max_positions)
   policy = policy or rc.policy  # a job of bad rows only: nothing runs
   summary['blocks'] = len(blocks)
+
+  def finish(report: dict, ran: bool) -> dict | None:
+    if not plans:  # a job of bad rows only: no stage planned anything
+      return None if p else report
+    return _stage_report(stage, report, policy=policy, problem=problem, plans=plans,
+                         gen_len=gen_len, ran=ran)
+
   if rc.dry_run:
-    report = {**report, **summary}
-    return (_stage_report(stage, report, policy=policy, problem=problem, rows=policy_rows,
-                          gen_len=gen_len, ran=False) if rows else report if p == 0 else None)
+    return finish({**report, **summary}, ran=False)
 
   def write(number: int, records: list[dict]) -> None:
     error = None
@@ -348,12 +351,11 @@ def _run_job(stage: _Stage) -> dict | None:
     agree(link, p, error, 'could not write the output; run the same command again to resume')
 
   tally = job_lib.Tally()
-  stage_policies = [Policy(**d) for d in link.everyone(dataclasses.asdict(policy), p)]
   try:
     error = None
     try:
       if output:  # every stage's policy, recorded for this number of stages
-        output.open(stage_policies)
+        output.open([plan.policy for plan in plans] or [policy] * link.n)
     except FlexjaxError as e:
       error = e
     agree(link, p, error, 'cannot write the output')
@@ -377,10 +379,7 @@ def _run_job(stage: _Stage) -> dict | None:
                 generation_s=round(tally.seconds, 3),
                 **job_lib.padding_report(rows, policy.block_size, cfg.max_positions, tally),
                 **run_lib.measured_fields(st.device, st.watch.peaks()))
-  if not rows:
-    return report if p == 0 else None
-  return _stage_report(stage, report, policy=policy, problem=problem, rows=policy_rows,
-                       gen_len=gen_len, ran=True)
+  return finish(report, ran=True)
 
 
 def _holds(ranges: list[range], q: int) -> str:
