@@ -25,9 +25,10 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence, TextIO
 
 import jax
 import numpy as np
@@ -506,59 +507,182 @@ def read_input(rc) -> str:
   return text
 
 
-def run_job(rc) -> dict[str, Any]:
-  """Runs a batch job (--input rows to --output); returns its report."""
-  from flexjax import run as run_lib
+class Place(Protocol):
+  """Where a job runs (run_job_at): one process alone (_Alone), or one stage of a pipeline
+  (stage_run), whose stages read the same rows and run the same blocks."""
 
-  text = read_input(rc)
-  st = run_lib.setup(rc)
-  cfg = st.cfg
-  rows, bad = parse_rows(text, cfg, st.tokenizer, rc.generation)
-  output = JobOutput(rc.output, job_of(rc, st.source, st.compute_dtype, text))
-  resumed = output.resume()
-  summary = {'input': rc.input, 'output': str(output.path), 'rows': len(rows) + len(bad),
-             'bad_rows': len(bad)}
-  if not rows:
-    head, blocks, tally = {'model': cfg.name}, [], Tally()
-    policy = resumed_policy(output.policies, stages=1, stage=0, template=rc.policy)[0] or rc.policy
-  else:
-    prompt_len, gen_len = largest_shape(rows, bucket=rc.bucket, max_positions=cfg.max_positions)
-    policy, final = resumed_policy(output.policies, stages=1, stage=0, template=rc.policy)
+  rc: Any
+  st: Any  # run.Setup
+  source: Any  # the whole model's weight source
+  stages: int  # the pipeline's (1: one process)
+  stage: int  # this process's
+  owns_output: bool  # this process writes the output and its progress file
+  progress_stream: TextIO | None  # where the bar shows; None: nowhere
+
+  def same_job(self, job: str) -> None:
+    """Refuses a job that differs from the other stages'."""
+
+  def agree(self, error: FlexjaxError | None, what: str) -> None:
+    """Raises `error`, or another stage's failure (`what` it could not do)."""
+
+  def from_owner(self, value):
+    """The output owner's `value`, on every stage."""
+
+  def plan(self, policy: Policy | None, *, final: bool, prompt_len: int, gen_len: int,
+           num_sequences: int) -> tuple[Policy, dict]:
+    """The policy to run (final: `policy` as resumed; else chosen, keeping its block shape and
+    approximations where given) and the report's head; a plan that does not fit is raised
+    unless a dry run."""
+
+  def policies(self, policy: Policy) -> list[Policy]:
+    """Every stage's policy, as the progress file records them."""
+
+  def engine(self, policy: Policy):
+    """The engine (a context manager) running this process's layers."""
+
+  def report(self, report: dict, *, ran: bool) -> dict | None:
+    """The job's report from this process (None where another process reports)."""
+
+
+@dataclasses.dataclass
+class _Alone:
+  """A job in one process."""
+
+  rc: Any
+  st: Any
+  stages = 1
+  stage = 0
+  owns_output = True
+
+  @property
+  def source(self):
+    return self.st.source
+
+  @property
+  def progress_stream(self) -> TextIO:
+    return sys.stderr
+
+  def same_job(self, job: str) -> None:
+    pass
+
+  def agree(self, error: FlexjaxError | None, what: str) -> None:
+    if error is not None:
+      raise error
+
+  def from_owner(self, value):
+    return value
+
+  def plan(self, policy, *, final, prompt_len, gen_len, num_sequences):
+    from flexjax import run as run_lib
+    rc, st = self.rc, self.st
     prediction = None
     if not final:
-      policy, prediction = run_lib.choose_policy(rc, cfg, st.planner, st.budgets, st.profile,
+      policy, prediction = run_lib.choose_policy(rc, st.cfg, st.planner, st.budgets, st.profile,
                                                  prompt_len, gen_len=gen_len,
-                                                 num_sequences=len(rows), kept=policy)
+                                                 num_sequences=num_sequences, kept=policy)
     head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                         gen_len=gen_len)
     if problem is not None and not rc.dry_run:
       raise problem
+    return policy, head
+
+  def policies(self, policy: Policy) -> list[Policy]:
+    return [policy]
+
+  def engine(self, policy: Policy) -> Engine:
+    from flexjax import run as run_lib
+    return run_lib.engine_for(self.rc, self.st, policy)
+
+  def report(self, report: dict, *, ran: bool) -> dict:
+    return report
+
+
+def run_job(rc) -> dict[str, Any]:
+  """Runs a batch job (--input rows to --output) in one process; returns its report."""
+  from flexjax import run as run_lib
+  read_input(rc)  # refused before any setup
+  return run_job_at(_Alone(rc, run_lib.setup(rc)))
+
+
+def run_job_at(place: Place) -> dict[str, Any] | None:
+  """Runs a batch job where `place` says; returns the report (see Place.report).
+
+  The output's owner resumes it and hands every stage the blocks done and the recorded
+  policies; each block's records are written as it completes, and a write that fails stops
+  every stage with the writer's one line; the same command resumes the job after its last
+  complete block, in one process or in a pipeline alike."""
+  from flexjax import run as run_lib
+  rc, st = place.rc, place.st
+  cfg = place.source.config
+  text = read_input(rc)
+  rows, bad = parse_rows(text, cfg, st.tokenizer, rc.generation)
+  job = job_of(rc, place.source, st.compute_dtype, text)
+  place.same_job(job)
+  output = JobOutput(rc.output, job) if place.owns_output else None
+  error, resumed = None, False
+  try:
+    resumed = output.resume() if output else False
+  except FlexjaxError as e:
+    error = e
+  place.agree(error, 'cannot write the output')
+  state = place.from_owner({'policies': output.policies, 'done': sorted(output.done),
+                            'rows': output.rows, 'resumed': resumed} if output else None)
+  done = set(state['done'])
+  summary = {'input': rc.input, 'output': str(output.path) if output else rc.output,
+             'rows': len(rows) + len(bad), 'bad_rows': len(bad)}
+  policy, final = resumed_policy(state['policies'], stages=place.stages, stage=place.stage,
+                                 template=rc.policy)
+  head, blocks = {'model': cfg.name}, []
+  if rows:
+    prompt_len, gen_len = largest_shape(rows, bucket=rc.bucket, max_positions=cfg.max_positions)
+    policy, head = place.plan(policy, final=final, prompt_len=prompt_len, gen_len=gen_len,
+                                 num_sequences=len(rows))
     blocks = plan_blocks(rows, policy.block_size, bucket=rc.bucket,
                          max_positions=cfg.max_positions)
+  policy = policy or rc.policy  # a job of bad rows only: nothing runs
   summary['blocks'] = len(blocks)
   if rc.dry_run:
-    return {**head, **summary}
-  done_before = output.rows
-  output.open([policy])
+    return place.report({**head, **summary}, ran=False)
+
+  def write(number: int, records: list[dict]) -> None:
+    error = None
+    if output:
+      try:
+        output.write_block(number, records)
+      except FlexjaxError as e:
+        error = e
+    place.agree(error, 'could not write the output; run the same command again to resume')
+
+  tally = Tally()
   try:
-    if bad and -1 not in output.done:
-      output.write_block(-1, [bad_record(b) for b in bad])
-    tally = Tally()
-    if any(b.number not in output.done for b in blocks):
-      with run_lib.engine_for(rc, st, policy) as engine:
-        tally = run_blocks(engine, blocks, output.done, output.write_block,
-                           tokenizer=st.tokenizer,
+    error = None
+    try:
+      if output:  # every stage's policy, recorded for this number of stages
+        output.open(place.policies(policy))
+    except FlexjaxError as e:
+      error = e
+    place.agree(error, 'cannot write the output')
+    if bad and -1 not in done:
+      write(-1, [bad_record(b) for b in bad])
+    if any(b.number not in done for b in blocks):
+      stream = place.progress_stream
+      with place.engine(policy) as engine:
+        tally = run_blocks(engine, blocks, done, write, tokenizer=st.tokenizer,
                            stop_at_eos=rc.generation.stop_at_eos,
-                           show_progress=progress_lib.enabled(rc.progress))
-    output.finish()
+                           show_progress=stream is not None and progress_lib.enabled(
+                               rc.progress, stream),
+                           progress_stream=stream)
+    if output:
+      output.finish()
   finally:
-    output.close()
-  measured = st.watch.peaks()
-  return {**head, **summary, 'resumed': resumed, 'rows_written_before': done_before,
-          'rows_generated': tally.rows, 'generated_tokens': tally.generated,
-          'generation_s': round(tally.seconds, 3),
-          **padding_report(rows, policy.block_size, cfg.max_positions, tally),
-          **run_lib.measured_fields(st.device, measured)}
+    if output:
+      output.close()
+  return place.report(
+      {**head, **summary, 'resumed': state['resumed'], 'rows_written_before': state['rows'],
+       'rows_generated': tally.rows, 'generated_tokens': tally.generated,
+       'generation_s': round(tally.seconds, 3),
+       **padding_report(rows, policy.block_size, cfg.max_positions, tally),
+       **run_lib.measured_fields(st.device, st.watch.peaks())}, ran=True)
 
 
 def job_of(rc, source, compute_dtype: str, text: str) -> str:

@@ -264,12 +264,13 @@ def _stage_report(stage: _Stage, report: dict, *, policy: Policy, problem,
 def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int = 1
               ) -> dict | None:
   """Runs this process's stage of a generation job, or of a batch job (--input: see
-  _run_job) (jax.distributed is initialized). Returns the report on process 0 (every stage's
+  job.run_job_at) (jax.distributed is initialized). Returns the report on process 0 (every stage's
   layers, policy, planned and measured peaks), None elsewhere."""
   from flexjax import run as run_lib
   stage = _start(rc, num_processes, process_id, processes_per_host)
   if rc.input:
-    return _run_job(stage)
+    from flexjax import job as job_lib
+    return job_lib.run_job_at(_JobStage(stage))
   st, cfg = stage.st, stage.cfg
   given = run_lib.run_prompts(rc, cfg, st.tokenizer)
   gen_len = rc.generation.gen_len
@@ -289,97 +290,75 @@ def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int =
                        gen_len=gen_len, ran=result is not None)
 
 
-def _run_job(stage: _Stage) -> dict | None:
-  """A batch job through the pipeline: every stage reads the same rows and runs the same blocks;
-  stage 0 owns the output (and its progress file, read on resume and handed to the others) and
-  writes each block as it completes; a write that fails stops every stage, and the same command
-  resumes the job after its last complete block, in one process or in a pipeline alike."""
-  from flexjax import job as job_lib
-  from flexjax import progress as progress_lib
-  from flexjax import run as run_lib
-  rc, st, cfg, link, p = stage.rc, stage.st, stage.cfg, stage.link, stage.process_id
-  text = job_lib.read_input(rc)
-  rows, bad = job_lib.parse_rows(text, cfg, st.tokenizer, rc.generation)
-  job = job_lib.job_of(rc, st.source.source, st.compute_dtype, text)
-  ids = link.gather([int(job[:15], 16)], p)[:, 0]
-  agree(link, p, None if (ids == ids[0]).all() else FlexjaxError(
-      f'stage {p} reads another job (its --input or flags differ from stage 0\'s); give every '
-      'stage the same input file and flags'), 'reads another job')
-  output = job_lib.JobOutput(rc.output, job) if p == 0 else None
-  error = None
-  try:
-    resumed = output.resume() if output else False
-  except FlexjaxError as e:
-    error = e
-  agree(link, p, error, 'cannot write the output')
-  state = link.everyone({'policies': output.policies, 'done': sorted(output.done),
-                         'rows': output.rows, 'resumed': resumed} if output else None, p)[0]
-  done = set(state['done'])
-  summary = {'input': rc.input, 'output': str(output.path) if output else rc.output,
-             'rows': len(rows) + len(bad), 'bad_rows': len(bad)}
-  gen_len, blocks, report = rc.generation.gen_len, [], {}
-  policy, final = job_lib.resumed_policy(state['policies'], stages=link.n, stage=p,
-                                         template=rc.policy)
-  problem, plans = None, []
-  if rows:
-    prompt_len, gen_len = job_lib.largest_shape(rows, bucket=rc.bucket,
-                                                max_positions=cfg.max_positions)
-    policy, report, problem, plans = _plan(
-        stage, prompt_len=prompt_len, gen_len=gen_len, num_sequences=len(rows), policy=policy,
-        final=final)
-    blocks = job_lib.plan_blocks(rows, policy.block_size, bucket=rc.bucket,
-                                 max_positions=cfg.max_positions)
-  policy = policy or rc.policy  # a job of bad rows only: nothing runs
-  summary['blocks'] = len(blocks)
+@dataclasses.dataclass
+class _JobStage:
+  """This stage's part of a batch job (job.Place): stage 0 owns the output and its progress
+  file, read on resume and handed to the others; stage 0's bar shows on the launcher's terminal
+  (its stdout is the launcher's, its stderr a log the launcher reads)."""
 
-  def finish(report: dict, ran: bool) -> dict | None:
-    if not plans:  # a job of bad rows only: no stage planned anything
-      return None if p else report
-    return _stage_report(stage, report, policy=policy, problem=problem, plans=plans,
-                         gen_len=gen_len, ran=ran)
+  of: _Stage
+  gen_len: int = 0
+  problem: Any = None
+  plans: list[_StagePlan] = dataclasses.field(default_factory=list)
 
-  if rc.dry_run:
-    return finish({**report, **summary}, ran=False)
+  @property
+  def rc(self):
+    return self.of.rc
 
-  def write(number: int, records: list[dict]) -> None:
-    error = None
-    if output:
-      try:
-        output.write_block(number, records)
-      except FlexjaxError as e:
-        error = e
-    agree(link, p, error, 'could not write the output; run the same command again to resume')
+  @property
+  def st(self):
+    return self.of.st
 
-  tally = job_lib.Tally()
-  try:
-    error = None
-    try:
-      if output:  # every stage's policy, recorded for this number of stages
-        output.open([plan.policy for plan in plans] or [policy] * link.n)
-    except FlexjaxError as e:
-      error = e
-    agree(link, p, error, 'cannot write the output')
-    if bad and -1 not in done:
-      write(-1, [job_lib.bad_record(b) for b in bad])
-    if any(b.number not in done for b in blocks):
-      with stage.engine(policy) as engine:
-        # stage 0's stdout is the launcher's (its stderr a log the launcher reads)
-        tally = job_lib.run_blocks(
-            engine, blocks, done, write, tokenizer=st.tokenizer,
-            stop_at_eos=rc.generation.stop_at_eos,
-            show_progress=p == 0 and progress_lib.enabled(rc.progress, sys.stdout),
-            progress_stream=sys.stdout)
-    if output:
-      output.finish()
-  finally:
-    if output:
-      output.close()
-  report.update(summary, resumed=state['resumed'], rows_written_before=state['rows'],
-                rows_generated=tally.rows, generated_tokens=tally.generated,
-                generation_s=round(tally.seconds, 3),
-                **job_lib.padding_report(rows, policy.block_size, cfg.max_positions, tally),
-                **run_lib.measured_fields(st.device, st.watch.peaks()))
-  return finish(report, ran=True)
+  @property
+  def source(self):
+    return self.of.st.source.source
+
+  @property
+  def stages(self) -> int:
+    return self.of.link.n
+
+  @property
+  def stage(self) -> int:
+    return self.of.process_id
+
+  @property
+  def owns_output(self) -> bool:
+    return self.stage == 0
+
+  @property
+  def progress_stream(self):
+    return sys.stdout if self.stage == 0 else None
+
+  def same_job(self, job: str) -> None:
+    ids = self.of.link.gather([int(job[:15], 16)], self.stage)[:, 0]
+    self.agree(None if (ids == ids[0]).all() else FlexjaxError(
+        f'stage {self.stage} reads another job (its --input or flags differ from stage 0\'s); '
+        'give every stage the same input file and flags'), 'reads another job')
+
+  def agree(self, error: FlexjaxError | None, what: str) -> None:
+    agree(self.of.link, self.stage, error, what)
+
+  def from_owner(self, value):
+    return self.of.link.everyone(value, self.stage)[0]
+
+  def plan(self, policy, *, final, prompt_len, gen_len, num_sequences):
+    policy, head, self.problem, self.plans = _plan(
+        self.of, prompt_len=prompt_len, gen_len=gen_len, num_sequences=num_sequences,
+        policy=policy, final=final)
+    self.gen_len = gen_len
+    return policy, head
+
+  def policies(self, policy: Policy) -> list[Policy]:
+    return [plan.policy for plan in self.plans] or [policy] * self.stages
+
+  def engine(self, policy: Policy) -> StageEngine:
+    return self.of.engine(policy)
+
+  def report(self, report: dict, *, ran: bool) -> dict | None:
+    if not self.plans:  # a job of bad rows only: no stage planned anything
+      return None if self.stage else report
+    return _stage_report(self.of, report, policy=self.plans[self.stage].policy,
+                         problem=self.problem, plans=self.plans, gen_len=self.gen_len, ran=ran)
 
 
 def _holds(ranges: list[range], q: int) -> str:
