@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flexjax import diskio, scratch
+from flexjax import diskio, memwatch, scratch
 from flexjax.errors import FlexjaxError
 
 GB = 1e9
@@ -146,7 +146,7 @@ def machine_key(device, scratch_dir: str | None) -> dict[str, object]:
   return {'platform': device.platform, 'device_kind': device.device_kind,
           'devices': jax.local_device_count(device.platform), 'cpu_model': model,
           'cpu_vector_flags': flags, 'cores': cores,
-          'ram_bytes': os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'),
+          'ram_bytes': memwatch.meminfo_bytes('MemTotal'),
           'jax': jax.__version__, 'jaxlib': importlib.metadata.version('jaxlib'),
           'disk': folder.stat().st_dev}
 

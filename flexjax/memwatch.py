@@ -8,15 +8,25 @@ import resource
 from pathlib import Path
 
 
-def _status_bytes(key: str) -> int | None:
-  """A /proc/self/status field ('VmRSS', 'VmHWM') in bytes; None where unreadable."""
+def _proc_field(path: str, key: str) -> int | None:
+  """A field in kB of a /proc file, in bytes; None where unreadable."""
   try:
-    for line in Path('/proc/self/status').read_text().splitlines():
+    for line in Path(path).read_text().splitlines():
       if line.startswith(key + ':'):
         return int(line.split()[1]) * 1024
   except OSError:
     pass
   return None
+
+
+def _status_bytes(key: str) -> int | None:
+  """A /proc/self/status field ('VmRSS', 'VmHWM') in bytes; None where unreadable."""
+  return _proc_field('/proc/self/status', key)
+
+
+def meminfo_bytes(key: str) -> int | None:
+  """A /proc/meminfo field ('MemTotal', 'MemAvailable', ...) in bytes; None where unreadable."""
+  return _proc_field('/proc/meminfo', key)
 
 
 def _reset_peak_rss() -> bool:

@@ -19,7 +19,7 @@ from flexjax import config as config_lib
 from flexjax import cost_model, diskio, hardware, scratch, search, stream
 from flexjax import progress as progress_lib
 from flexjax import plan as plan_lib
-from flexjax.memwatch import MemoryWatch
+from flexjax.memwatch import MemoryWatch, meminfo_bytes
 from flexjax.checkpoint import Checkpoint
 from flexjax.engine import Engine, GenerationConfig, GenerationResult
 from flexjax.errors import FlexjaxError
@@ -431,18 +431,6 @@ def _prediction_fields(prediction: cost_model.Prediction | None) -> dict[str, An
   return {'predicted_total_tok_s': round(prediction.throughput, 3),
           'predicted_block_s': round(prediction.prefill_s + prediction.decode_s, 3),
           **{f'predicted_{tier}_peak_bytes': v for tier, v in prediction.peak_bytes.items()}}
-
-
-def meminfo_bytes(key: str) -> int | None:
-  """A /proc/meminfo field ('MemTotal', 'MemAvailable', ...) in bytes; None where unreadable."""
-  try:
-    with open('/proc/meminfo') as f:
-      for line in f:
-        if line.startswith(key + ':'):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return None
 
 
 def measured_fields(device, measured: dict[str, int]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flexjax.errors import FlexjaxError
-from flexjax.run import meminfo_bytes  # noqa: F401  (re-exported for the tools)
+from flexjax.memwatch import meminfo_bytes  # noqa: F401  (re-exported for the tools)
 
 
 # ---- throughput and memory -----------------------------------------------------------------------

@@ -317,7 +317,7 @@ def _has_cuda() -> bool:
 
 
 def _free_ram() -> int:
-  from flexjax.run import meminfo_bytes
+  from flexjax.memwatch import meminfo_bytes
   return meminfo_bytes('MemAvailable') or 0
 
 
