@@ -330,8 +330,8 @@ class _JobStage:
     return sys.stdout if self.stage == 0 else None
 
   def same_job(self, job: str) -> None:
-    ids = self.of.link.gather([int(job[:15], 16)], self.stage)[:, 0]
-    self.agree(None if (ids == ids[0]).all() else FlexjaxError(
+    jobs = self.of.link.everyone(job, self.stage)
+    self.agree(None if job == jobs[0] else FlexjaxError(
         f'stage {self.stage} reads another job (its --input or flags differ from stage 0\'s); '
         'give every stage the same input file and flags'), 'reads another job')
 

@@ -187,6 +187,35 @@ def test_across_hosts_a_killed_stage_stops_the_other_with_one_line(four_layers, 
   assert lines[0].startswith('flexjax: error: pipeline stage 0 of 2 stopped: '), lines[0]
 
 
+def test_stages_given_other_jobs_stop_with_one_line_before_any_row(four_layers, tmp_path):
+  """Across hosts each stage names its own input: stages that would run other rows (or the
+  same rows with other flags) stop, each with one line, and nothing is written."""
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  inputs = [tmp_path / 'a.jsonl', tmp_path / 'b.jsonl']
+  inputs[0].write_text('{"tokens": [2, 5, 6]}\n')
+  inputs[1].write_text('{"tokens": [2, 5, 7]}\n')
+  hosts = [subprocess.Popen(
+      [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', f'--process_id={i}',
+       f'--coordinator=127.0.0.1:{port}', '--stage_timeout=20', '--weights=checkpoint',
+       f'--checkpoint={four_layers}', f'--input={inputs[i]}', f'--output={tmp_path}/out{i}.jsonl',
+       '--gen_len=2', '--noprogress', '--gpu_batch_size=1', '--num_gpu_batches=1'],
+      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+  try:
+    errors = [h.communicate(timeout=120)[1] for h in hosts]
+  finally:
+    for h in hosts:
+      if h.poll() is None:
+        h.kill()
+  for i, (h, err) in enumerate(zip(hosts, errors)):
+    assert h.returncode != 0 and err.count('\n') == 1, err
+    assert 'stage 1 reads another job' in err, err
+  assert 'give every stage the same input file and flags' in errors[1]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['a.jsonl', 'b.jsonl']
+
+
 def test_an_unreachable_coordinator_is_one_line(four_layers):
   cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--process_id=1',
          '--coordinator=127.0.0.1:9', '--stage_timeout=5', '--weights=checkpoint',
