@@ -1,5 +1,23 @@
 """User-facing errors: one line that names the offending value and the fix."""
 
+import sys
+from pathlib import Path
+
 
 class FlexjaxError(ValueError):
   """An error caused by user input; the CLI prints its message alone, without a traceback."""
+
+
+def flags_parser(prog: str | None = None):
+  """app.run's flags_parser for the command `prog` (default: the name of the script run, as a
+  tool's `python -m tools.NAME` gives it): absl's parsing, a flag it refuses (a value out of its
+  range or not among its choices, an unknown flag) said in one line, exit status 2."""
+  def parse(argv: list[str]) -> list[str]:
+    from absl import flags
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      name = prog or Path(argv[0]).stem
+      print(f'{name}: error: {e}; --helpfull lists every flag', file=sys.stderr)
+      sys.exit(2)
+  return parse

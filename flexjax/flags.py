@@ -131,10 +131,16 @@ def budgets_from_flags(fv: flags.FlagValues = flags.FLAGS) -> dict[str, int | No
 
 def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   """Validates parsed flags into a RunConfig; raises FlexjaxError naming the bad value."""
-  for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_gpu_batches', 'num_prompts'):
+  for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_gpu_batches', 'num_prompts',
+               'max_block_size'):
     value = fv[name].value
     if value is not None and value <= 0:
       raise FlexjaxError(f'--{name}={value} must be a positive integer')
+  if fv.max_block_seconds is not None and fv.max_block_seconds <= 0:
+    raise FlexjaxError(f'--max_block_seconds={fv.max_block_seconds} must be a positive number '
+                       'of seconds (omit it for no limit)')
+  if fv.dummy_seed < 0:
+    raise FlexjaxError(f'--dummy_seed={fv.dummy_seed} must be >= 0')
   if fv.input and fv.prompt_file:
     raise FlexjaxError(f'--input={fv.input!r} and --prompt_file={fv.prompt_file!r} are both '
                        'given; a job reads its prompts from --input alone: drop --prompt_file')

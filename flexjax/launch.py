@@ -20,7 +20,7 @@ from absl import flags
 
 from flexjax import flags as flags_lib
 from flexjax import hardware
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 
 _GRACE_S = 5  # a stage told to stop gets this long before it is killed
 _BECAUSE_OF_OTHERS = 3  # a stage's exit code when it stops because another stage cannot run
@@ -311,7 +311,7 @@ def entry() -> None:
   signal.signal(signal.SIGTERM, _exit_on_sigterm)
   flags_lib.define_flags()
   define_launch_flags()
-  app.run(main)
+  app.run(main, flags_parser=flags_parser('flexjax'))
 
 
 if __name__ == '__main__':

@@ -9,7 +9,7 @@ from absl import app
 
 from flexjax import flags as flags_lib
 from flexjax import hardware
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 from flexjax.job import check_output, write_atomically
 
 
@@ -77,7 +77,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 def entry() -> None:
   signal.signal(signal.SIGTERM, _exit_on_sigterm)
   flags_lib.define_flags()
-  app.run(main)
+  app.run(main, flags_parser=flags_parser('flexjax'))
 
 
 if __name__ == '__main__':

@@ -185,6 +185,15 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
   _one_line_error(run_cli('--gpu_batch_size=-1'), '--gpu_batch_size=-1')
   _one_line_error(run_cli('--compress_group_size=7'), 'compress_group_size=7')
   _one_line_error(run_cli('--gpu_mem=0.001'), 'on the device', 'short by')
+  # refused by absl as the flags are parsed (bounds, choices, types), and before any search
+  _one_line_error(run_cli('--io_threads=0'), 'flexjax: error:', '--io_threads=0', '[1, 16]')
+  _one_line_error(run_cli('--dtype=int8'), '--dtype=int8', 'float32')
+  _one_line_error(run_cli('--max_block_size=0', '--policy=auto'), '--max_block_size=0')
+  _one_line_error(run_cli('--max_block_seconds=-1', '--policy=auto'), '--max_block_seconds=-1')
+  _one_line_error(run_cli('--dummy_seed=-5'), '--dummy_seed=-5')
+  tool = subprocess.run([sys.executable, '-m', 'tools.memcheck', '--random=two'],
+                        capture_output=True, text=True, cwd=REPO, timeout=120)
+  _one_line_error(tool, 'memcheck: error:', '--random', "'two'")
 
 
 def test_inputs_of_the_wrong_kind_are_one_line_errors(pre_ln, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 
 _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'Converted flexjax checkpoint.',
                                   required=True)
@@ -92,4 +92,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 from absl import app, flags
 
 from flexjax import config as config_lib
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 from tools.benchlib import (check_output_flags, fmt_number, git_commit, host_peak_rss, jsonl_appender, machine_info,
                             meminfo_bytes, new_run_id, read_records, reset_peak_rss, throughputs,
                             timestamp, versions)
@@ -316,4 +316,4 @@ def main(argv):
 
 if __name__ == '__main__':
   check_output_flags(flags.FLAGS)
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 from flexjax.memwatch import meminfo_bytes  # noqa: F401  (re-exported for the tools)
 
 
@@ -173,4 +173,4 @@ def run_tool(define_flags: Callable[[Any], None], run_cli: Callable[[Any], int])
   from absl import app, flags
   define_flags(flags.FLAGS)
   check_output_flags(flags.FLAGS)
-  app.run(lambda argv: run_cli(flags.FLAGS))
+  app.run(lambda argv: run_cli(flags.FLAGS), flags_parser=flags_parser())

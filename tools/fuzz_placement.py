@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
+from flexjax.errors import flags_parser
+
 # largest |logit difference| / max |logit| allowed per compute dtype: float32 rounding of
 # products summed in another order; four bfloat16 ulps (products of other row counts and
 # attention on the CPU backend round bfloat16 at other points, and sparse attention may then
@@ -423,4 +425,4 @@ if __name__ == '__main__':
   from tools import benchlib
   define_flags(flags.FLAGS)
   benchlib.check_output_flags(flags.FLAGS)
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())

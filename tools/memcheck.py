@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 from absl import app, flags
 
+from flexjax.errors import flags_parser
+
 # name -> flags of `python -m flexjax.main` (dummy weights).
 COMMON = ('--weights=dummy',)
 SMALL = ('--model=opt-125m', '--prompt_len=128', '--gen_len=8', '--gpu_batch_size=8')
@@ -279,4 +281,4 @@ if __name__ == '__main__':
   from tools import benchlib
   define_flags(flags.FLAGS)
   benchlib.check_output_flags(flags.FLAGS)
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())

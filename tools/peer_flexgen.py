@@ -35,7 +35,7 @@ from absl import app, flags
 from flexjax import config as config_lib
 from flexjax import flags as flags_lib
 from flexjax import scratch
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 from flexjax.policy import Policy
 
 MODEL_NAMES: Mapping[str, str] = types.MappingProxyType({
@@ -361,4 +361,4 @@ def main(argv) -> int:
 
 if __name__ == '__main__':
   define_flags(flags.FLAGS)
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())

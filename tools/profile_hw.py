@@ -7,7 +7,7 @@ import sys
 
 from absl import app, flags
 
-from flexjax.errors import FlexjaxError
+from flexjax.errors import FlexjaxError, flags_parser
 
 _OUTPUT = flags.DEFINE_string('output', None, 'Profile file to write.', required=True)
 _SCRATCH = flags.DEFINE_string('scratch_dir', None, 'Folder on the disk to measure (default: the '
@@ -33,5 +33,6 @@ def main(argv):
 
 if __name__ == '__main__':
   from tools import benchlib
-  benchlib.check_output_flags(flags.FLAGS)  # --output refused as flags are parsed, not after
-  app.run(main)                             # the minute of measuring
+  # --output refused as flags are parsed, not after the minute of measuring
+  benchlib.check_output_flags(flags.FLAGS)
+  app.run(main, flags_parser=flags_parser())

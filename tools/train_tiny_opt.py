@@ -17,6 +17,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from flexjax.errors import flags_parser
+
 _OUTPUT = flags.DEFINE_string('output', None, 'HF directory to create.', required=True)
 _MINUTES = flags.DEFINE_float('minutes', 6.0, 'Training time budget.')
 _VOCAB = flags.DEFINE_integer('vocab_size', 4096, 'BPE vocabulary size.')
@@ -95,4 +97,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=flags_parser())
