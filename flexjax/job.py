@@ -43,6 +43,7 @@ from flexjax.policy import Policy
 from flexjax.tokenizer import Tokenizer
 
 FORMAT = 'flexjax-job-v1'
+PROGRESS_SUFFIX = '.progress'  # the progress file: the output's path and this
 FIELDS = ('id', 'prompt', 'tokens', 'max_new_tokens', 'stop', 'temperature', 'top_p', 'seed')
 
 
@@ -270,7 +271,7 @@ class JobOutput:
 
   def __init__(self, path: str, job: str):
     self.path = check_output(path)
-    self.marker = self.path.with_name(self.path.name + '.progress')
+    self.marker = self.path.with_name(self.path.name + PROGRESS_SUFFIX)
     self.job = job
     self.done: set[int] = set()
     self.policies: dict[str, list[dict]] = {}  # number of stages -> each stage's policy

@@ -144,11 +144,8 @@ def _check_stages(n: int) -> None:
   from flexjax import pipeline
   from flexjax import run as run_lib
   from flexjax import stage_run
-  from flexjax.job import check_output
   rc = flags_lib.run_config_from_flags()
-  stage_run.check_config(rc)
-  if flags.FLAGS.report_json:
-    check_output(flags.FLAGS.report_json, 'report_json')
+  stage_run.check_config(rc, flags.FLAGS.report_json)
   source, tokenizer = run_lib.load_weights(rc)
   if rc.prompt_file:
     run_lib.load_prompts(rc.prompt_file, source.config, tokenizer, chat=rc.chat)
@@ -160,14 +157,13 @@ def run_stage_process(fv) -> int:
   import jax
   from flexjax import run as run_lib
   from flexjax import stage_run
-  from flexjax.job import check_output, write_atomically
+  from flexjax.job import write_atomically
   from flexjax.main import table
   hardware.include_cpu_platform()
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   try:
     rc = flags_lib.run_config_from_flags()
-    if fv.report_json:
-      check_output(fv.report_json, 'report_json')
+    run_lib.check_paths(rc, fv.report_json)
     run_lib.use_compile_cache(fv.compile_cache, rc.weights_cache)  # before anything compiles
     jax.distributed.initialize(coordinator_address=fv.coordinator,
                                num_processes=fv.num_processes, process_id=fv.process_id,

@@ -10,7 +10,7 @@ from absl import app
 from flexjax import flags as flags_lib
 from flexjax import hardware
 from flexjax.errors import FlexjaxError, flags_parser
-from flexjax.job import check_output, write_atomically
+from flexjax.job import write_atomically
 
 
 def main(argv) -> int:
@@ -23,12 +23,11 @@ def main(argv) -> int:
   flags_lib.quiet_library_logs()
   logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)  # no backend probing chatter
   hardware.include_cpu_platform()  # JAX_PLATFORMS=cuda would leave out the CPU backend
-  from flexjax.run import run, use_compile_cache
+  from flexjax.run import check_paths, run, use_compile_cache
   rc = None
   try:
     rc = flags_lib.run_config_from_flags()
-    if report_json:
-      check_output(report_json, 'report_json')
+    check_paths(rc, report_json)
     use_compile_cache(flags.FLAGS.compile_cache, rc.weights_cache)  # before anything compiles
     result = run(rc)
     print(table(result))

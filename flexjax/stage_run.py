@@ -147,11 +147,11 @@ class _StagePlan:
   decode_s: float | None
 
 
-def check_config(rc) -> None:
+def check_config(rc, report_json: str | None = None) -> None:
   """What a pipeline run refuses, by the launcher before any stage starts and by each stage."""
   from flexjax import job as job_lib
   from flexjax import run as run_lib
-  run_lib.check_paths(rc)
+  run_lib.check_paths(rc, report_json)
   if rc.input:
     job_lib.read_input(rc)
 

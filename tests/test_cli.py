@@ -216,6 +216,32 @@ def test_inputs_of_the_wrong_kind_are_one_line_errors(pre_ln, tmp_path):
     _one_line_error(run_cli(*ckpt, f'--output={readonly / "out.jsonl"}'), 'cannot be written')
 
 
+def test_a_file_the_run_writes_over_another_given_path_is_refused_and_nothing_written(
+    pre_ln, tmp_path):
+  """--output and --report_json may not name an input (through a link too), each other, the
+  job's progress file, the offload folder or a file in the checkpoint: one line, the user's
+  files as they were, nothing made."""
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text('{"tokens": [2, 5, 6]}\n')
+  (tmp_path / 'link.jsonl').symlink_to(prompts)
+  ckpt = (f'--checkpoint={pre_ln.ckpt_dir}', '--weights=checkpoint', '--gen_len=2')
+  before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  checkpoint_files = sorted(pre_ln.ckpt_dir.rglob('*'))
+  out = tmp_path / 'out.jsonl'
+  _one_line_error(run_cli(*ckpt, f'--prompt_file={prompts}', f'--output={tmp_path / "link.jsonl"}'),
+                  'is also the --prompt_file', 'give another path')
+  _one_line_error(run_cli(*ckpt, f'--input={prompts}', f'--output={out}', f'--report_json={out}'),
+                  f'--output={str(out)!r} is also the --report_json')
+  _one_line_error(run_cli(*ckpt, f'--input={prompts}', f'--output={out}',
+                          f'--report_json={out}.progress'), "is also the output's progress file")
+  _one_line_error(run_cli(*ckpt, f'--input={prompts}', f'--output={out}', f'--offload_dir={out}'),
+                  'is also the --offload_dir')
+  _one_line_error(run_cli(*ckpt, f'--prompt_file={prompts}',
+                          f'--report_json={pre_ln.ckpt_dir / "flexjax.json"}'), 'lies in --checkpoint')
+  assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+  assert sorted(pre_ln.ckpt_dir.rglob('*')) == checkpoint_files
+
+
 def test_a_folder_the_run_cannot_create_is_refused_before_any_work(tmp_path):
   from flexjax import run as run_lib
   blocker = tmp_path / 'file'
