@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -40,11 +40,19 @@ class CheckpointWriter:
   """
 
   def __init__(self, path: str | os.PathLike, cfg: ModelConfig, dtype: str, *,
-               overwrite: bool = False):
+               overwrite: bool = False, reads_from: Iterable[str | os.PathLike] = ()):
+    """reads_from: the files and folders the writer's stages come from, which `path` may be
+    neither, nor hold: replacing it would delete them."""
     self.path = Path(path).absolute()
     self.cfg = cfg
     self.dtype = dtype
     self.overwrite = overwrite
+    for source in map(Path, reads_from):
+      where, read = self.path.resolve(), source.resolve()
+      if where == read or where in read.parents:
+        raise FlexjaxError(f'output {str(self.path)!r} {"is" if where == read else "holds"} the '
+                           f'source {str(source)!r}, which writing the checkpoint there would '
+                           'delete; choose another output path')
     if self.path.exists() and not overwrite:
       raise FlexjaxError(f'output {str(self.path)!r} already exists; choose another path or pass '
                          '--overwrite')

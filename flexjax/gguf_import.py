@@ -299,7 +299,8 @@ def convert(path: str | os.PathLike, output: str | os.PathLike, *, dtype: str = 
       files = source.write_tokenizer(folder) if source.has_tokenizer() else []
     path = convert_tensors(cfg, source.get, output,
                            dtype='float32' if dtype == 'source' else dtype,
-                           tokenizer_files=files, overwrite=overwrite, progress=progress)
+                           tokenizer_files=files, overwrite=overwrite, progress=progress,
+                           reads_from=[p for p in (path, tokenizer_dir) if p is not None])
   write_kept_layout(source, path, progress=progress)
   return path
 

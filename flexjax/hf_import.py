@@ -98,7 +98,7 @@ def read_stage(cfg: ModelConfig, get: Callable[[str], np.ndarray], stage: str,
 def convert_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray],
                     output: str | os.PathLike, *, dtype: str,
                     tokenizer_files: Iterable[str | os.PathLike] = (), overwrite: bool = False,
-                    progress: bool = False) -> Path:
+                    progress: bool = False, reads_from: Iterable[str | os.PathLike] = ()) -> Path:
   """Writes a flexjax checkpoint from any source of HF-named tensors, one stage in memory at a
   time: the conversion core under `convert` (HF folders) and GGUF import.
 
@@ -110,6 +110,7 @@ def convert_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     output: the checkpoint folder to create.
     dtype: stored dtype, 'float32', 'float16' or 'bfloat16'.
     tokenizer_files: files copied into the checkpoint's tokenizer folder (tokenizer.json, ...).
+    reads_from: the source's files and folders, which `output` may not be or hold.
   Returns:
     The checkpoint path (complete: written to a temporary directory, then renamed).
   """
@@ -118,7 +119,8 @@ def convert_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray],
   target = np_dtype(dtype)
   names = params_lib.stage_names(cfg)
   files = [Path(f) for f in tokenizer_files]
-  with CheckpointWriter(output, cfg, dtype, overwrite=overwrite) as writer:
+  with CheckpointWriter(output, cfg, dtype, overwrite=overwrite,
+                        reads_from=[*reads_from, *files]) as writer:
     with progress_lib.bar(len(names), f'converting {cfg.name}', unit='stage',
                           show=progress) as bar:
       for stage in names:
@@ -260,4 +262,4 @@ def convert(hf_dir: str | os.PathLike, output: str | os.PathLike, *, dtype: str 
   return convert_tensors(hf.config, hf.tensor, output,
                          dtype=hf.source_dtype() if dtype == 'source' else dtype,
                          tokenizer_files=hf.tokenizer_files(), overwrite=overwrite,
-                         progress=progress)
+                         progress=progress, reads_from=[hf_dir])

@@ -122,6 +122,22 @@ def test_existing_output_needs_overwrite(pre_ln, tmp_path):
   assert Checkpoint(target).config.num_layers == 2
 
 
+def test_an_output_that_is_or_holds_the_source_is_refused_and_the_source_kept(pre_ln, tmp_path):
+  """--overwrite replaces the output folder: one that is the HF folder being converted, or
+  holds it, is refused before any stage is read, the source as it was."""
+  source = tmp_path / 'models' / 'hf'
+  shutil.copytree(pre_ln.hf_dir, source)
+  files = {p: p.read_bytes() for p in source.rglob('*') if p.is_file()}
+  (tmp_path / 'link').symlink_to(source)
+  for output, says in ((source, 'is the source'), (source.parent, 'holds the source'),
+                       (tmp_path / 'link', 'is the source')):
+    with pytest.raises(FlexjaxError, match=says):
+      convert(source, output, overwrite=True, progress=False)
+  assert {p: p.read_bytes() for p in source.rglob('*') if p.is_file()} == files
+  convert(source, source / 'ckpt', progress=False)  # inside it is only a new folder
+  assert Checkpoint(source / 'ckpt').config.num_layers == 2
+
+
 def test_an_output_folder_that_cannot_be_made_is_one_line_before_reading(pre_ln, tmp_path):
   blocker = tmp_path / 'file'
   blocker.write_text('')
