@@ -18,6 +18,7 @@ def flags_parser(prog: str | None = None):
       return flags.FLAGS(argv)
     except flags.Error as e:
       name = prog or Path(argv[0]).stem
-      print(f'{name}: error: {e}; --helpfull lists every flag', file=sys.stderr)
+      hint = '; --helpfull lists every flag' if isinstance(e, flags.UnrecognizedFlagError) else ''
+      print(f'{name}: error: {e}{hint}', file=sys.stderr)
       sys.exit(2)
   return parse

@@ -102,6 +102,21 @@ def test_output_files_that_cannot_be_written_are_refused_as_flags_are_parsed(tmp
                         capture_output=True, text=True, timeout=60,
                         cwd=Path(__file__).resolve().parent.parent)
   assert proc.returncode != 0 and 'is a file; give a folder' in proc.stderr and not proc.stdout
+  # an output naming another flag's file (the suite's own, the results a plot reads): one line,
+  # the file as it was
+  results = tmp_path / 'results.jsonl'
+  results.write_text('{}\n')
+  suite_file = Path(__file__).resolve().parent.parent / 'configs' / 'bench' / 'cpu.json'
+  shipped = suite_file.read_bytes()
+  for args, says in ((['--suite=configs/bench/cpu.json', '--output=configs/bench/cpu.json'],
+                      'flag --output=configs/bench/cpu.json: names the file --suite gives'),
+                     ([f'--plot={results}', f'--plot_output={tmp_path / "." / "results.jsonl"}'],
+                      'names the file --plot gives; the tool would write over it')):
+    proc = subprocess.run([sys.executable, '-m', 'tools.suite', *args], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and says in proc.stderr, (
+        proc.stderr)
+  assert results.read_text() == '{}\n' and suite_file.read_bytes() == shipped
 
 
 def test_shipped_suites_load():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import json
 import math
@@ -152,6 +153,23 @@ def check_output_flags(fv) -> None:
   for name in OUTPUT_FLAGS:
     if name in fv:
       flags.register_validator(name, writable_file, flag_values=fv)
+      flags.register_validator(name, functools.partial(_apart, fv, name), flag_values=fv)
+
+
+def _apart(fv, name: str, value: str | None) -> bool:
+  """Whether output flag `name`'s file is no file or folder another of the tool's flags names
+  (a flag validator: raises absl's ValidationError naming the other flag)."""
+  from absl import flags
+  if not value:
+    return True
+  target = Path(value).resolve()
+  for module, defined in fv.flags_by_module_dict().items():
+    for flag in defined:
+      if (not module.startswith('absl') and flag.name != name and isinstance(flag.value, str)
+          and flag.value and Path(flag.value).resolve() == target):
+        raise flags.ValidationError(f'names the file --{flag.name} gives; the tool would write '
+                                    'over it: give another path')
+  return True
 
 
 def writable_file(value: str | None) -> bool:
