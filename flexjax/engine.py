@@ -4,6 +4,7 @@ executor; the front door of flexjax's runtime (plan -> placement -> mover <-> ex
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -45,8 +46,9 @@ class GenerationConfig:
   def __post_init__(self):
     if self.gen_len <= 0:
       raise FlexjaxError(f'gen_len={self.gen_len} must be a positive number of new tokens')
-    if self.temperature < 0:
-      raise FlexjaxError(f'temperature={self.temperature} must be >= 0 (0 means greedy)')
+    if not 0 <= self.temperature < math.inf:
+      raise FlexjaxError(f'temperature={self.temperature} must be a finite number >= 0 (0 means '
+                         'greedy)')
     if not 0 < self.top_p <= 1:
       raise FlexjaxError(f'top_p={self.top_p} must be in (0, 1]')
     if self.seed < 0:
