@@ -601,12 +601,13 @@ class _Alone:
 def run_job(rc) -> dict[str, Any]:
   """Runs a batch job (--input rows to --output) in one process; returns its report."""
   from flexjax import run as run_lib
-  read_input(rc)  # refused before any setup
-  return run_job_at(_Alone(rc, run_lib.setup(rc)))
+  text = read_input(rc)  # refused before any setup
+  return run_job_at(_Alone(rc, run_lib.setup(rc)), text)
 
 
-def run_job_at(place: Place) -> dict[str, Any] | None:
-  """Runs a batch job where `place` says; returns the report (see Place.report).
+def run_job_at(place: Place, text: str) -> dict[str, Any] | None:
+  """Runs a batch job of the input `text` where `place` says; returns the report (see
+  Place.report).
 
   The output's owner resumes it and hands every stage the blocks done and the recorded
   policies; each block's records are written as it completes, and a write that fails stops
@@ -615,7 +616,6 @@ def run_job_at(place: Place) -> dict[str, Any] | None:
   from flexjax import run as run_lib
   rc, st = place.rc, place.st
   cfg = place.source.config
-  text = read_input(rc)
   rows, bad = parse_rows(text, cfg, st.tokenizer, rc.generation)
   job = job_of(rc, place.source, st.compute_dtype, text)
   place.same_job(job)

@@ -287,10 +287,10 @@ def check_paths(rc: RunConfig, report_json: str | None = None) -> None:
   progress file, --report_json) is another path given or lies in the checkpoint, before any
   work."""
   from flexjax import job as job_lib
-  written = {'output': rc.output, 'report_json': report_json}
+  written = {'--output': rc.output, '--report_json': report_json}
   for flag, value in written.items():
     if value:
-      job_lib.check_output(value, flag)
+      job_lib.check_output(value, flag.removeprefix('--'))
   for flag, value in (('offload_dir', rc.offload_dir), ('weights_cache', rc.weights_cache)):
     if value:
       scratch.check_writable(Path(value), f'--{flag}={value!r}')
@@ -298,22 +298,22 @@ def check_paths(rc: RunConfig, report_json: str | None = None) -> None:
     raise FlexjaxError(f'--checkpoint={rc.checkpoint!r} is a file; give the checkpoint folder '
                        '(tools/convert_hf.py writes one)')
   profile = rc.hw_profile if rc.hw_profile and Path(rc.hw_profile).exists() else None
-  given = {'prompt_file': rc.prompt_file, 'input': rc.input, 'hw_profile': profile,
-           'offload_dir': rc.offload_dir, 'weights_cache': rc.weights_cache, **written}
+  given = {'--prompt_file': rc.prompt_file, '--input': rc.input, '--hw_profile': profile,
+           '--offload_dir': rc.offload_dir, '--weights_cache': rc.weights_cache, **written}
   if rc.input and rc.output:
-    given['output\'s progress file'] = rc.output + job_lib.PROGRESS_SUFFIX
-  where = {flag: Path(value).resolve() for flag, value in given.items() if value}
+    given["the output's progress file"] = rc.output + job_lib.PROGRESS_SUFFIX
+  where = {name: Path(value).resolve() for name, value in given.items() if value}
   checkpoint = Path(rc.checkpoint).resolve() if rc.checkpoint else None
   for flag, value in written.items():
     if not value:
       continue
-    target = where[flag]
-    other = next((f for f, path in where.items() if f != flag and path == target), None)
+    other = next((name for name, path in where.items() if name != flag and path == where[flag]),
+                 None)
     if other is not None:
-      raise FlexjaxError(f'--{flag}={value!r} is also the {other if " " in other else "--" + other}'
-                         '; the run would write over it: give another path')
-    if checkpoint is not None and checkpoint in target.parents:
-      raise FlexjaxError(f'--{flag}={value!r} lies in --checkpoint={rc.checkpoint!r}; write '
+      raise FlexjaxError(f'{flag}={value!r} is also {other}; the run would write over it: give '
+                         'another path')
+    if checkpoint is not None and checkpoint in where[flag].parents:
+      raise FlexjaxError(f'{flag}={value!r} lies in --checkpoint={rc.checkpoint!r}; write '
                          'outside the checkpoint folder')
 
 

@@ -264,13 +264,13 @@ def _stage_report(stage: _Stage, report: dict, *, policy: Policy, problem,
 def run_stage(rc, num_processes: int, process_id: int, processes_per_host: int = 1
               ) -> dict | None:
   """Runs this process's stage of a generation job, or of a batch job (--input: see
-  job.run_job_at) (jax.distributed is initialized). Returns the report on process 0 (every stage's
-  layers, policy, planned and measured peaks), None elsewhere."""
+  job.run_job_at) (jax.distributed is initialized). Returns the report on process 0 (every
+  stage's layers, policy, planned and measured peaks), None elsewhere."""
   from flexjax import run as run_lib
   stage = _start(rc, num_processes, process_id, processes_per_host)
   if rc.input:
     from flexjax import job as job_lib
-    return job_lib.run_job_at(_JobStage(stage))
+    return job_lib.run_job_at(_JobStage(stage), job_lib.read_input(rc))
   st, cfg = stage.st, stage.cfg
   given = run_lib.run_prompts(rc, cfg, st.tokenizer)
   gen_len = rc.generation.gen_len

@@ -229,15 +229,16 @@ def test_a_file_the_run_writes_over_another_given_path_is_refused_and_nothing_wr
   checkpoint_files = sorted(pre_ln.ckpt_dir.rglob('*'))
   out = tmp_path / 'out.jsonl'
   _one_line_error(run_cli(*ckpt, f'--prompt_file={prompts}', f'--output={tmp_path / "link.jsonl"}'),
-                  'is also the --prompt_file', 'give another path')
+                  'is also --prompt_file', 'give another path')
   _one_line_error(run_cli(*ckpt, f'--input={prompts}', f'--output={out}', f'--report_json={out}'),
-                  f'--output={str(out)!r} is also the --report_json')
+                  f'--output={str(out)!r} is also --report_json')
   _one_line_error(run_cli(*ckpt, f'--input={prompts}', f'--output={out}',
                           f'--report_json={out}.progress'), "is also the output's progress file")
   _one_line_error(run_cli(*ckpt, f'--input={prompts}', f'--output={out}', f'--offload_dir={out}'),
-                  'is also the --offload_dir')
+                  'is also --offload_dir')
   _one_line_error(run_cli(*ckpt, f'--prompt_file={prompts}',
-                          f'--report_json={pre_ln.ckpt_dir / "flexjax.json"}'), 'lies in --checkpoint')
+                          f'--report_json={pre_ln.ckpt_dir / "flexjax.json"}'),
+                  'lies in --checkpoint')
   assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
   assert sorted(pre_ln.ckpt_dir.rglob('*')) == checkpoint_files
 
