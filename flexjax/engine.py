@@ -261,6 +261,8 @@ class Engine:
     longest = max(len(p) for p in prompts)
     if longest == 0:
       raise FlexjaxError('all prompts are empty; each prompt needs at least one token')
+    for i, prompt in enumerate(prompts):
+      _check_ids(f'prompt {i}', prompt, self.config.vocab_size)
     if pad_to is not None and pad_to < longest:
       raise FlexjaxError(f'pad_to={pad_to} is shorter than the longest prompt ({longest} '
                          'tokens); leave it out or raise it')
@@ -276,6 +278,8 @@ class Engine:
                          f'[{limits.min()}, {limits.max()}]')
     self._check_length(prompt_len + gen.gen_len - 1)
     if forced_tokens is not None:
+      for i, forced in enumerate(forced_tokens):
+        _check_ids(f'forced_tokens[{i}]', forced, self.config.vocab_size)
       forced_tokens = np.asarray(forced_tokens, np.int32)
       if forced_tokens.shape != (len(prompts), gen.gen_len):
         raise FlexjaxError(f'forced_tokens has shape {forced_tokens.shape}; expected '
@@ -412,6 +416,17 @@ class Engine:
       raise FlexjaxError(
           f'prompt plus generated tokens need {total} positions but {self.config.name} has '
           f'{self.config.max_positions}; shorten the prompts or --gen_len')
+
+
+def _check_ids(what: str, ids, vocab_size: int) -> None:
+  """Refuses token ids that are not integers in [0, vocab_size) (the device's gather would clamp
+  them to other tokens without a word)."""
+  values = np.asarray(ids)
+  if values.ndim != 1 or (values.size and values.dtype.kind not in 'iu'):
+    raise FlexjaxError(f'{what} is not a list of integer token ids (got {str(ids)[:60]})')
+  bad = values[(values < 0) | (values >= vocab_size)]
+  if bad.size:
+    raise FlexjaxError(f'{what} holds token id {int(bad[0])}; ids must lie in [0, {vocab_size})')
 
 
 def default_seeds(seed: int, n: int) -> np.ndarray:

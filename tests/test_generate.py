@@ -89,7 +89,24 @@ def test_too_long_for_the_positions_is_refused(pre_ln):
     pre_ln.engine().generate([[2] * 60], GenerationConfig(gen_len=10))
 
 
-@pytest.mark.parametrize('field,value', [('gen_len', 0), ('top_p', 0.0), ('temperature', -1.0)])
+def test_token_ids_outside_the_vocabulary_are_refused(pre_ln):
+  """The device's gather would clamp them to other tokens without a word."""
+  gen = GenerationConfig(gen_len=2)
+  engine = pre_ln.engine()
+  vocab = engine.config.vocab_size
+  for prompts, says in (([[2, 5], [2, vocab]], f'prompt 1 holds token id {vocab}; ids must lie'),
+                        ([[2, -1]], 'prompt 0 holds token id -1'),
+                        ([[2, 3.5]], 'prompt 0 is not a list of integer token ids'),
+                        ([np.array([[2, 3]])], 'prompt 0 is not a list')):
+    with pytest.raises(FlexjaxError, match=says):
+      engine.generate(prompts, gen)
+  with pytest.raises(FlexjaxError, match='forced_tokens\\[0\\] holds token id'):
+    engine.generate([[2, 5]], gen, forced_tokens=[[3, vocab + 7]])
+  assert engine.generate([np.array([2, 5], np.int64)], gen).sequences[0].shape == (2,)
+
+
+@pytest.mark.parametrize('field,value', [('gen_len', 0), ('top_p', 0.0), ('temperature', -1.0),
+                                         ('temperature', float('nan'))])
 def test_generation_config_rejects_bad_values(field, value):
   with pytest.raises(FlexjaxError, match=f'{field}={value}'):
     GenerationConfig(**{field: value})
