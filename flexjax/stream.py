@@ -141,10 +141,7 @@ class StreamLayout:
 
   def __init__(self, folder: Path, *, drop_page_cache: bool = False):
     self.folder = folder
-    meta = json.loads((folder / INDEX).read_text())
-    self.index = {stage: {k: Entry(v['offset'], tuple(v['shape']), v['dtype'])
-                          for k, v in entries.items()}
-                  for stage, entries in meta['stages'].items()}
+    self.index = _index(json.loads((folder / INDEX).read_text()))
     self._files = {stage: diskio.DiskFile(folder / f'{stage}.bin',
                                           drop_page_cache=drop_page_cache)
                    for stage, entries in self.index.items() if entries}
@@ -172,12 +169,25 @@ class StreamLayout:
 
 
 def layout_matches(folder: Path, meta: dict) -> bool:
-  """Whether `folder` holds a complete layout written for `meta` (model, dtype, variant)."""
+  """Whether `folder` holds a complete layout written for `meta` (model, dtype, variant): its
+  index, and every stage file at the size the index gives it (one removed or cut short since,
+  by hand or by a full disk's cleanup, makes the layout stale: it is written again)."""
   try:
     found = json.loads((folder / INDEX).read_text())
-  except (OSError, json.JSONDecodeError):
+    if not all(found.get(k) == v for k, v in meta.items()):
+      return False
+    for stage, entries in _index(found).items():
+      if entries and (folder / f'{stage}.bin').stat().st_size != stage_file_bytes(entries):
+        return False
+  except (OSError, ValueError, KeyError, TypeError):  # unreadable, or not an index of ours
     return False
-  return all(found.get(k) == v for k, v in meta.items())
+  return True
+
+
+def _index(meta: dict) -> dict[str, dict[str, Entry]]:
+  """A layout index's entries, per stage (as write_layout records them)."""
+  return {stage: {k: Entry(v['offset'], tuple(v['shape']), v['dtype']) for k, v in entries.items()}
+          for stage, entries in meta['stages'].items()}
 
 
 def write_layout(folder: Path, index: dict[str, dict[str, Entry]], meta: dict, *,

@@ -141,6 +141,37 @@ def test_a_stale_layout_is_replaced(tmp_path):
   assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
 
 
+@pytest.mark.parametrize('damage', ['cut', 'removed', 'grown'])
+def test_a_layout_whose_file_was_cut_or_removed_is_written_again(tmp_path, damage):
+  """A stage file of another size than its index gives (cut short, removed, appended to) makes
+  the layout stale: the next open writes it again rather than failing mid-run."""
+  kw = dict(packs=lambda shape: False, pack=None, packed_shape=None, variant='float32',
+            cache_dir=tmp_path)
+  source = DummyWeights(TINY, 'float32', seed=0)
+  first = stream.ensure_layout(source, **kw)
+  folder = first.folder
+  want = {path: first.tensor('layer_001', path).read()
+          for path in params_lib.flatten(source.read('layer_001'))}
+  first.close()
+  target = folder / 'layer_001.bin'
+  if damage == 'cut':
+    os.truncate(target, diskio.BLOCK)
+  elif damage == 'removed':
+    target.unlink()
+  else:
+    with open(target, 'ab') as f:
+      f.write(b'x')
+  assert not stream.layout_matches(folder, {'format': stream.FORMAT})
+  again = stream.ensure_layout(source, **kw)
+  try:
+    for path, array in want.items():
+      np.testing.assert_array_equal(again.tensor('layer_001', path).read(), array)
+  finally:
+    again.close()
+  assert stream.layout_matches(folder, {'format': stream.FORMAT})
+  assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]
+
+
 def test_a_stale_layout_that_cannot_be_removed_is_a_one_line_error(tmp_path, monkeypatch):
   kw = dict(packs=lambda shape: False, pack=None, packed_shape=None, variant='float32',
             cache_dir=tmp_path)
