@@ -16,9 +16,12 @@ the early stop at EOS agree everywhere without messages of their own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -137,6 +140,19 @@ def tick_schedule(num_stages: int, num_tokens: int, num_batches: int) -> list[li
   return ticks
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+  """File descriptor 1 (what native code prints) sent to descriptor 2 for the block."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  try:
+    os.dup2(2, 1)
+    yield
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
 class Link:
   """The collectives between the stages: a mesh of one device per process (in process order)."""
 
@@ -164,6 +180,11 @@ class Link:
     self._exchange = jax.jit(shard_map(exchange, mesh=self.mesh, in_specs=(spec, spec),
                                        out_specs=(spec, spec)))
     self._total = jax.jit(shard_map(total, mesh=self.mesh, in_specs=spec, out_specs=spec))
+    # The first collective connects the processes, and the CPU collectives announce that on
+    # file descriptor 1: stage 0's stdout is the launcher's report, so it goes to the stage's
+    # log (its stderr) instead.
+    with _stdout_to_stderr():
+      self._total(self._global(jnp.zeros((1,), jnp.int32))).block_until_ready()
 
   def _global(self, local: jax.Array) -> jax.Array:
     local = jax.device_put(local, self.local)[None]

@@ -51,6 +51,8 @@ def launch(ckpt: Path, tmp_path: Path, n: int, *extra: str, gen_len: int = 6):
          f'--report_json={report}', *extra]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
+  # stdout is the report alone (the collectives' connection notice goes to the stage's log)
+  assert proc.stdout.lstrip().startswith('model: '), proc.stdout[:300]
   tokens = [json.loads(line)['output_tokens'] for line in out.read_text().splitlines()]
   return tokens, json.loads(report.read_text())
 
