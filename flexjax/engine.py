@@ -258,11 +258,12 @@ class Engine:
     policy = self._call_policy(policy)
     if not prompts:
       raise FlexjaxError('no prompts given; pass at least one prompt')
-    longest = max(len(p) for p in prompts)
-    if longest == 0:
-      raise FlexjaxError('all prompts are empty; each prompt needs at least one token')
     for i, prompt in enumerate(prompts):
+      if len(prompt) == 0:
+        raise FlexjaxError(f'prompt {i} is empty; each prompt needs at least one token (its BOS '
+                           'token, say)')
       _check_ids(f'prompt {i}', prompt, self.config.vocab_size)
+    longest = max(len(p) for p in prompts)
     if pad_to is not None and pad_to < longest:
       raise FlexjaxError(f'pad_to={pad_to} is shorter than the longest prompt ({longest} '
                          'tokens); leave it out or raise it')

@@ -239,7 +239,9 @@ class FlexjaxLM(TemplateLM):
     for indices in groups.values():
       until, gen = self._generation(requests[indices[0]].args[1])
       keep = self.max_length - gen.gen_len  # context tokens that leave room for the new ones
-      prompts = {i: self.tok_encode(requests[i].args[0])[-keep:] for i in indices}
+      # an empty context starts from the prefix token, as lm-eval's scoring does
+      prompts = {i: self.tok_encode(requests[i].args[0])[-keep:] or [self.prefix_token_id]
+                 for i in indices}
       order = sorted(indices, key=lambda i: -len(prompts[i]))
       for start in range(0, len(order), self.policy.block_size):
         rows = order[start:start + self.policy.block_size]

@@ -95,6 +95,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(pre_ln):
   engine = pre_ln.engine()
   vocab = engine.config.vocab_size
   for prompts, says in (([[2, 5], [2, vocab]], f'prompt 1 holds token id {vocab}; ids must lie'),
+                        ([[2, 5], []], 'prompt 1 is empty; each prompt needs at least one token'),
                         ([[2, -1]], 'prompt 0 holds token id -1'),
                         ([[2, 3.5]], 'prompt 0 is not a list of integer token ids'),
                         ([np.array([[2, 3]])], 'prompt 0 is not a list')):
