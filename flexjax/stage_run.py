@@ -82,15 +82,6 @@ def agree(link: Link, process_id: int, error: FlexjaxError | None, what: str) ->
   raise OtherStageFailed(f'stage {first} {what}')
 
 
-def _search(rc, st, prompt_len: int, gen_len: int, num_sequences: int | None,
-            template: Policy, shape: Policy | None = None):
-  found = search.search(st.cfg, st.profile, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
-                        sizes=st.planner.sizes, planner=st.planner, template=template,
-                        max_block_seconds=rc.max_block_seconds, num_sequences=num_sequences,
-                        **search.shape_choices(shape, rc.max_block_size))
-  return found.policy, found.prediction
-
-
 def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_len: int,
                   num_sequences: int | None = None, kept: Policy | None = None):
   """This stage's policy and prediction (for `num_sequences` sequences where the run knows
@@ -104,13 +95,17 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
   re-solving its placement for it.
   """
   from flexjax import run as run_lib
-  if rc.policy_mode != 'auto':
+
+  def chosen_for(kept: Policy | None):  # a search keeps kept's block shape where given
     return run_lib.choose_policy(rc, st.cfg, st.planner, st.budgets, st.profile, prompt_len,
                                  gen_len, num_sequences=num_sequences, kept=kept)
+
+  if rc.policy_mode != 'auto':
+    return chosen_for(kept)
   template = kept or rc.policy
   error, own = None, None
   try:
-    own = _search(rc, st, prompt_len, gen_len, num_sequences, template, kept)
+    own = chosen_for(kept)
   except FlexjaxError as e:
     error = e
   agree(link, process_id, error, 'has no policy within its budgets')
@@ -119,8 +114,7 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
   options, row = [], []
   for shape in shapes:
     try:
-      found = own if shape == (own[0].gpu_batch_size, own[0].num_gpu_batches) else _search(
-          rc, st, prompt_len, gen_len, num_sequences, template,
+      found = own if shape == (own[0].gpu_batch_size, own[0].num_gpu_batches) else chosen_for(
           dataclasses.replace(template, gpu_batch_size=shape[0], num_gpu_batches=shape[1]))
     except FlexjaxError:
       found = None
