@@ -15,12 +15,17 @@ keeps the policies the job ran with, one per pipeline stage for each number of s
 (one process: one stage): a run on a layout the job has used takes its recorded policies again
 (a searched policy is not searched again); a run on another layout keeps the block shape and the
 approximations (what the blocks and the outputs depend on) and chooses only its placement. When
-the job is complete the progress file is removed.
+the job is complete the progress file is removed. While a run writes the output it holds an
+exclusive lock on the file (the kernel drops it when the process dies, however it dies): a second
+run of the same job started meanwhile (another terminal, a scheduler's retry) is refused in one
+line instead of writing the same file at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -278,12 +283,51 @@ class JobOutput:
     self.rows = 0
     self._bytes = 0
     self._file = None
+    self._lock: int | None = None  # the claimed output's descriptor holding its lock
+    self._made = False  # claim() made the file
+    self._opened = False  # open() started writing: the file is the job's from then on
+
+  def claim(self) -> None:
+    """Takes the output for this run: an exclusive lock on the file (made, empty, where it is
+    missing), held until release(); refused in one line while another live process holds it.
+    Writes nothing into the file; one this run made and never wrote is removed on release."""
+    try:
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      while self._lock is None:
+        try:
+          fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+          made = True
+        except FileExistsError:
+          try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+          except FileNotFoundError:  # removed in between by the run releasing it: again
+            continue
+          made = False
+        try:
+          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+          if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            os.close(fd)
+            raise FlexjaxError(
+                f'--output={str(self.path)!r} is being written by another flexjax run that is '
+                'still going; wait for it to end (or stop it), or choose another --output'
+            ) from None
+          if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):  # else no locks here: unguarded
+            os.close(fd)
+            raise
+        if _same_file(fd, self.path):  # not a file the last holder removed as it let go
+          self._lock, self._made = fd, made
+        else:
+          os.close(fd)
+    except OSError as e:
+      raise self._failed(e) from None
 
   def resume(self) -> bool:
     """Reads the progress of an interrupted run of this job; False when starting afresh.
-    Refuses to touch an output that is not an interrupted run of the same job."""
+    Refuses to touch an output that is not an interrupted run of the same job (an empty file
+    without a progress file holds nothing to lose: it starts afresh)."""
     if not self.marker.exists():
-      if self.path.exists():
+      if self.path.exists() and self.path.stat().st_size:
         raise FlexjaxError(f'--output={str(self.path)!r} already exists; remove it or choose '
                            'another path (it is never overwritten)')
       return False
@@ -311,6 +355,7 @@ class JobOutput:
   def open(self, policies: Sequence[Policy]) -> None:
     """Starts writing: records the stages' policies (where the job has not run on as many
     stages before), cuts off what an interrupted block left after the last recorded one."""
+    self._opened = True
     try:
       if str(len(policies)) not in self.policies:
         self.policies[str(len(policies))] = [dataclasses.asdict(p) for p in policies]
@@ -343,18 +388,29 @@ class JobOutput:
         'run the same command again: the job resumes after its last complete block')
 
   def finish(self) -> None:
-    """The job is complete: the progress file goes."""
+    """The job is complete: the progress file goes (the output still claimed)."""
     self.close()
     self.marker.unlink(missing_ok=True)
     _sync_folder(self.path.parent)
 
   def close(self) -> None:
+    """Stops writing (the output stays claimed)."""
     if self._file is not None:
       try:
         self._file.close()
       except OSError:  # a failed write's buffered tail: cut off when the job is resumed
         pass
       self._file = None
+
+  def release(self) -> None:
+    """Stops writing and lets the output go: a file claim() made and nothing wrote is
+    removed first (a refused run leaves no empty output behind)."""
+    self.close()
+    if self._lock is not None:
+      if self._made and not self._opened:
+        self.path.unlink(missing_ok=True)
+      os.close(self._lock)
+      self._lock = None
 
   def _save_marker(self) -> None:
     state = {'format': FORMAT, 'job': self.job, 'policies': self.policies, 'bytes': self._bytes,
@@ -381,6 +437,16 @@ def resumed_policy(policies: dict[str, list[dict]], *, stages: int, stage: int,
     return None, False
   earlier = next(iter(policies.values()))[0]
   return dataclasses.replace(template, **{k: earlier[k] for k in KEPT_FIELDS}), False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+  """Whether the open descriptor `fd` is the file at `path` now."""
+  try:
+    here = os.stat(path)
+  except FileNotFoundError:
+    return False
+  mine = os.fstat(fd)
+  return (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino)
 
 
 def _sync_folder(folder: Path) -> None:
@@ -613,15 +679,28 @@ def run_job_at(place: Place, text: str) -> dict[str, Any] | None:
   policies; each block's records are written as it completes, and a write that fails stops
   every stage with the writer's one line; the same command resumes the job after its last
   complete block, in one process or in a pipeline alike."""
-  from flexjax import run as run_lib
   rc, st = place.rc, place.st
-  cfg = place.source.config
-  rows, bad = parse_rows(text, cfg, st.tokenizer, rc.generation)
+  rows, bad = parse_rows(text, place.source.config, st.tokenizer, rc.generation)
   job = job_of(rc, place.source, st.compute_dtype, text)
   place.same_job(job)
   output = JobOutput(rc.output, job) if place.owns_output else None
+  try:
+    return _run_job(place, rows, bad, output)
+  finally:
+    if output:
+      output.release()
+
+
+def _run_job(place: Place, rows: list[Row], bad: list[BadRow],
+             output: JobOutput | None) -> dict[str, Any] | None:
+  """run_job_at's work; `output`: this process's to claim and write (None: another's)."""
+  from flexjax import run as run_lib
+  rc, st = place.rc, place.st
+  cfg = place.source.config
   error, resumed = None, False
   try:
+    if output and not rc.dry_run:  # a dry run writes nothing, so holds nothing
+      output.claim()
     resumed = output.resume() if output else False
   except FlexjaxError as e:
     error = e
@@ -654,30 +733,25 @@ def run_job_at(place: Place, text: str) -> dict[str, Any] | None:
         error = e
     place.agree(error, 'could not write the output; run the same command again to resume')
 
-  tally = Tally()
+  tally, error = Tally(), None
   try:
-    error = None
-    try:
-      if output:  # every stage's policy, recorded for this number of stages
-        output.open(place.policies(policy))
-    except FlexjaxError as e:
-      error = e
-    place.agree(error, 'cannot write the output')
-    if bad and -1 not in done:
-      write(-1, [bad_record(b) for b in bad])
-    if any(b.number not in done for b in blocks):
-      stream = place.progress_stream
-      with place.engine(policy) as engine:
-        tally = run_blocks(engine, blocks, done, write, tokenizer=st.tokenizer,
-                           stop_at_eos=rc.generation.stop_at_eos,
-                           show_progress=stream is not None and progress_lib.enabled(
-                               rc.progress, stream),
-                           progress_stream=stream)
-    if output:
-      output.finish()
-  finally:
-    if output:
-      output.close()
+    if output:  # every stage's policy, recorded for this number of stages
+      output.open(place.policies(policy))
+  except FlexjaxError as e:
+    error = e
+  place.agree(error, 'cannot write the output')
+  if bad and -1 not in done:
+    write(-1, [bad_record(b) for b in bad])
+  if any(b.number not in done for b in blocks):
+    stream = place.progress_stream
+    with place.engine(policy) as engine:
+      tally = run_blocks(engine, blocks, done, write, tokenizer=st.tokenizer,
+                         stop_at_eos=rc.generation.stop_at_eos,
+                         show_progress=stream is not None and progress_lib.enabled(
+                             rc.progress, stream),
+                         progress_stream=stream)
+  if output:
+    output.finish()
   return place.report(
       {**head, **summary, 'resumed': state['resumed'], 'rows_written_before': state['rows'],
        'rows_generated': tally.rows, 'generated_tokens': tally.generated,

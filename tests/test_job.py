@@ -209,9 +209,8 @@ def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   out = tmp_path / 'out.jsonl'
   cmd = job_command(pre_ln.ckpt_dir, rows, out) + disk
   kills = 0
-  # Ctrl-C at start-up; kill -9 after the bad rows, mid-job, near the end
-  for after, sig in ((None, signal.SIGINT), (1, signal.SIGKILL), (6, signal.SIGKILL),
-                     (11, signal.SIGKILL)):
+  # Ctrl-C at start-up; kill -9 mid-job (the bad rows written first), near the end
+  for after, sig in ((None, signal.SIGINT), (6, signal.SIGKILL), (11, signal.SIGKILL)):
     killed = run_killed(cmd, out, after, sig)
     kills += killed
     if out.exists():  # what a killed run left is whole lines only up to its progress record
@@ -294,3 +293,39 @@ def test_derived_seeds_and_buckets():
       short, 2, bucket=True, max_positions=64)] == [(16, 8), (8, 8)]
   assert [(b.pad_to, b.gen_len) for b in job_lib.plan_blocks(
       short, 2, bucket=False, max_positions=64)] == [(9, 3), (9, 3)]
+
+
+def test_a_second_run_while_the_first_writes_is_refused_and_the_first_finishes(pre_ln, tmp_path):
+  """A job started again while it still runs (another terminal, a scheduler's retry) is refused
+  in one line, touching nothing; the first run's output is whole. A run refused after taking a
+  fresh output leaves no file, and an empty output without a progress file starts afresh."""
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(16, seed=5))
+  out = tmp_path / 'out.jsonl'
+  marker = out.with_name('out.jsonl.progress')
+  first = subprocess.Popen(job_command(pre_ln.ckpt_dir, rows, out) + ['--gpu_batch_size=1'],
+                           env=dict(os.environ, JAX_PLATFORMS='cpu'), cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  try:
+    deadline = time.time() + 240
+    while not marker.exists() and first.poll() is None and time.time() < deadline:
+      time.sleep(0.01)
+    assert first.poll() is None, first.stderr.read().decode()[-3000:]
+    with pytest.raises(FlexjaxError, match=(
+        rf"^--output='{out}' is being written by another flexjax run that is still going; wait "
+        'for it to end')):
+      run_job(pre_ln.ckpt_dir, tmp_path, rows)
+    assert first.wait(timeout=240) == 0, first.stderr.read().decode()[-3000:]
+  finally:
+    if first.poll() is None:
+      first.kill()
+  ids = [json.loads(line)['id'] for line in out.read_text().splitlines()]
+  assert sorted(ids) == sorted(f'row-{i}' for i in range(16)) and not marker.exists()
+  # refused after taking the output (its plan exceeds the RAM budget): no file left
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(2))
+  fresh = tmp_path / 'fresh.jsonl'
+  with pytest.raises(FlexjaxError, match='--cpu_mem allows 1.00 MiB'):
+    run_job(pre_ln.ckpt_dir, tmp_path, rows, 'fresh.jsonl', budgets={'host': 2**20})
+  assert not fresh.exists()
+  fresh.write_bytes(b'')
+  _, lines = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'fresh.jsonl')
+  assert sorted(lines) == ['row-0', 'row-1']
