@@ -295,33 +295,11 @@ class _JobStage:
   problem: Any = None
   plans: list[_StagePlan] = dataclasses.field(default_factory=list)
 
-  @property
-  def rc(self):
-    return self.of.rc
-
-  @property
-  def st(self):
-    return self.of.st
-
-  @property
-  def source(self):
-    return self.of.st.source.source
-
-  @property
-  def stages(self) -> int:
-    return self.of.link.n
-
-  @property
-  def stage(self) -> int:
-    return self.of.process_id
-
-  @property
-  def owns_output(self) -> bool:
-    return self.stage == 0
-
-  @property
-  def progress_stream(self):
-    return sys.stdout if self.stage == 0 else None
+  def __post_init__(self):  # job.Place's fields
+    self.rc, self.st, self.source = self.of.rc, self.of.st, self.of.st.source.source
+    self.stages, self.stage = self.of.link.n, self.of.process_id
+    self.owns_output = self.stage == 0
+    self.progress_stream = sys.stdout if self.owns_output else None
 
   def same_job(self, job: str) -> None:
     jobs = self.of.link.everyone(job, self.stage)
