@@ -101,6 +101,8 @@ class CheckpointWriter:
     meta = {'format': FORMAT, 'dtype': self.dtype, 'model': self.cfg.to_dict(),
             'tokenizer': TOKENIZER_DIR if has_tokenizer else None}
     (self._tmp / META_FILE).write_text(json.dumps(meta, indent=2) + '\n')
+    if self.path.exists() and not self.overwrite:  # made meanwhile: another conversion's
+      raise self._appeared()
     self._partial.disown()  # complete: from here on the user's data, never swept
     if self.path.exists():  # overwrite: move the old one aside only now, then drop it
       old = Path(tempfile.mkdtemp(prefix=f'.{self.path.name}.old-', dir=self.path.parent))
@@ -108,7 +110,17 @@ class CheckpointWriter:
       os.rename(self._tmp, self.path)
       shutil.rmtree(old, ignore_errors=True)
     else:
-      os.rename(self._tmp, self.path)
+      try:
+        os.rename(self._tmp, self.path)  # never over a folder that holds anything
+      except OSError as e:
+        if not self.path.exists():
+          raise
+        raise self._appeared() from None
+
+  def _appeared(self) -> FlexjaxError:
+    return FlexjaxError(f'output {str(self.path)!r} appeared while this checkpoint was written '
+                        '(another conversion to the same path?) and was left as it is; choose '
+                        'another path or pass --overwrite')
 
 
 def write_source(source: Any, path: str | os.PathLike, *, overwrite: bool = False) -> Path:

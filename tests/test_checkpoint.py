@@ -122,6 +122,21 @@ def test_existing_output_needs_overwrite(pre_ln, tmp_path):
   assert Checkpoint(target).config.num_layers == 2
 
 
+def test_an_output_made_while_converting_is_left_as_it_is(pre_ln, tmp_path):
+  """Another conversion to the same path finished first (both found it missing): without
+  --overwrite this one refuses at its end, leaving that output and nothing of its own."""
+  target = tmp_path / 'ckpt'
+  cfg = Checkpoint(pre_ln.ckpt_dir).config
+  with pytest.raises(FlexjaxError, match='appeared while this checkpoint was written'):
+    with CheckpointWriter(target, cfg, 'float32') as writer:
+      for stage in params_lib.stage_names(cfg):
+        writer.write_stage(stage, Checkpoint(pre_ln.ckpt_dir).read(stage))
+      shutil.copytree(pre_ln.ckpt_dir, target)
+      (target / 'theirs').write_text('kept')
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['ckpt']
+  assert (target / 'theirs').read_text() == 'kept'
+
+
 def test_an_output_that_is_or_holds_the_source_is_refused_and_the_source_kept(pre_ln, tmp_path):
   """--overwrite replaces the output folder: one that is the HF folder being converted, or
   holds it, is refused before any stage is read, the source as it was."""
