@@ -211,14 +211,20 @@ def profile_cache(device, scratch_dir: str | None) -> Path:
 
 
 def measure_profile(device, *, scratch_dir: str | None, progress: bool) -> HardwareProfile:
-  """Measures this device for the cost model and caches the profile (profile_cache)."""
+  """Measures this device for the cost model and caches the profile (profile_cache). One
+  process of this machine measures at a time (processes measuring at once would slow each
+  other, and the slowed rates would be cached): one that waited for another takes the profile
+  that one cached where it is this device's."""
   cache = profile_cache(device, scratch_dir)
-  print(f'measuring this machine for the cost model, once (transfers, disk, matmul and '
-        f'attention rates: under a minute on a 2-core CPU); the profile is cached in {cache}',
-        file=sys.stderr, flush=True)
-  profile = hardware.measure(device, scratch_dir=scratch_dir,
-                             progress=progress_lib.enabled(progress))
-  profile.save(cache)
+  with scratch.alone_in(cache.parent, 'waiting for another process measuring this machine'):
+    if cache.is_file():
+      return hardware.HardwareProfile.load(cache)
+    print(f'measuring this machine for the cost model, once (transfers, disk, matmul and '
+          f'attention rates: under a minute on a 2-core CPU); the profile is cached in {cache}',
+          file=sys.stderr, flush=True)
+    profile = hardware.measure(device, scratch_dir=scratch_dir,
+                               progress=progress_lib.enabled(progress))
+    profile.save(cache)
   return profile
 
 

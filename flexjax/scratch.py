@@ -16,6 +16,7 @@ flock) are never touched.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -215,6 +216,31 @@ def replace_file(target: Path, text: str) -> None:
     os.replace(tmp, target)
   finally:
     tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def alone_in(folder: Path, waiting: str):
+  """Holds an exclusive flock on `folder` (made where missing) while the block runs: the
+  processes doing the same work there take turns. Says `waiting` on stderr where it must wait
+  for another. Where the folder cannot be made or locked, the block runs unguarded."""
+  try:
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
+  except OSError:
+    yield
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+        print(f'flexjax: {waiting}', file=sys.stderr, flush=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+      elif e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+        raise
+    yield
+  finally:
+    os.close(fd)  # drops the lock
 
 
 def check_writable(folder: Path, named: str) -> None:

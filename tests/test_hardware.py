@@ -3,6 +3,7 @@ beside the accelerator when JAX_PLATFORMS names only the latter; the engine's st
 the measured profile."""
 
 import math
+import time
 
 import jax
 import pytest
@@ -163,3 +164,34 @@ def test_a_profile_is_cached_per_machine_cores_jax_build_and_disk(tmp_path, monk
   shm = '/dev/shm'
   if os.path.isdir(shm) and os.stat(shm).st_dev != os.stat(tmp_path).st_dev:
     assert run.resolve_profile(None, device, measure_if_missing=False, scratch_dir=shm) is None
+
+
+def test_a_process_measuring_this_machine_makes_the_others_wait_and_share_its_profile(
+    tmp_path, monkeypatch, capsys):
+  """While another process measures (its lock on the profile folder), a run needing the
+  profile waits and then takes the one it cached instead of measuring beside it."""
+  import fcntl
+  import os
+  import threading
+  from flexjax import run
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+  device = jax.devices()[0]
+  cache = run.profile_cache(device, str(tmp_path))
+  cache.parent.mkdir(parents=True)
+  other = os.open(cache.parent, os.O_RDONLY)  # another open of the folder: another process's
+  fcntl.flock(other, fcntl.LOCK_EX)
+
+  def finish_measuring():
+    time.sleep(1.0)
+    hardware.t4_profile().save(cache)
+    os.close(other)
+
+  done = threading.Thread(target=finish_measuring)
+  done.start()
+  start = time.monotonic()
+  profile = run.measure_profile(device, scratch_dir=str(tmp_path), progress=False)
+  done.join()
+  assert profile == hardware.t4_profile() and time.monotonic() - start >= 0.9
+  err = capsys.readouterr().err
+  assert 'waiting for another process measuring this machine' in err
+  assert 'measuring this machine for' not in err
