@@ -295,12 +295,19 @@ def ensure_layout(source, *, packs: Callable[[tuple], bool],
   meta = {'format': FORMAT, 'variant': variant, 'dtype': source.dtype,
           'source': source.fingerprint(), 'model': cfg.to_dict()}
   if not layout_matches(folder, meta):
-    if folder.exists():  # stale (an older format, or weights since rewritten): derived data
-      discard(folder)
-    shapes = {stage: params_lib.flatten(params_lib.stage_shapes(cfg, stage))
-              for stage in params_lib.stage_names(cfg)}
-    index = plan_layout(shapes, np_dtype(source.dtype), pack=packs, packed_shape=packed_shape)
-    write_layout(folder, index, meta, read_stage=source.read, pack=pack, progress=progress)
+    # one process writes a model's layouts at a time (runs started together would each write
+    # the whole layout, reserving its disk space twice); one that waited takes the layout the
+    # other wrote
+    with scratch.alone_in(folder.parent, f'waiting for another process writing the weight '
+                                         f'layout {str(folder)!r}'):
+      if not layout_matches(folder, meta):
+        if folder.exists():  # stale (an older format, or weights since rewritten): derived data
+          discard(folder)
+        shapes = {stage: params_lib.flatten(params_lib.stage_shapes(cfg, stage))
+                  for stage in params_lib.stage_names(cfg)}
+        index = plan_layout(shapes, np_dtype(source.dtype), pack=packs,
+                            packed_shape=packed_shape)
+        write_layout(folder, index, meta, read_stage=source.read, pack=pack, progress=progress)
   return StreamLayout(folder, drop_page_cache=drop_page_cache)
 
 

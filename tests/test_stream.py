@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,44 @@ def test_a_changed_source_gets_a_new_layout(tmp_path):
                             b.tensor('tokens', ('tokens',)).read())
   a.close()
   b.close()
+
+
+def test_a_run_waits_for_another_writing_the_layout_and_reads_its_layout(tmp_path, capsys):
+  """While another process writes the layout (its lock on the layouts' folder), a run needing
+  it waits, then reads the one written instead of writing a second."""
+  import fcntl
+  import threading
+  import time
+  kw = dict(packs=lambda shape: False, pack=None, packed_shape=None, variant='float32',
+            cache_dir=tmp_path)
+  source = DummyWeights(TINY, 'float32', seed=0)
+  parent = source.stream_folder(tmp_path)
+  parent.mkdir(parents=True)
+  other = os.open(parent, os.O_RDONLY)  # another open of the folder: another process's
+  fcntl.flock(other, fcntl.LOCK_EX)
+  written = []
+
+  def write_it():  # as that process: a layout written elsewhere, put in place whole
+    time.sleep(0.5)
+    made = stream.ensure_layout(source, **{**kw, 'cache_dir': tmp_path / 'elsewhere'})
+    made.close()
+    target = parent / made.folder.name
+    shutil.copytree(made.folder, parent / '.copy')
+    os.rename(parent / '.copy', target)
+    written.append(os.stat(target / stream.INDEX).st_ino)
+    os.close(other)
+
+  writer = threading.Thread(target=write_it)
+  writer.start()
+  waited = stream.ensure_layout(source, **kw)
+  writer.join()
+  try:
+    assert os.stat(waited.folder / stream.INDEX).st_ino == written[0]  # not written again
+    np.testing.assert_array_equal(waited.tensor('tokens', ('tokens',)).read(),
+                                  source.read('tokens')['tokens'])
+  finally:
+    waited.close()
+  assert 'waiting for another process writing the weight layout' in capsys.readouterr().err
 
 
 def test_a_stale_layout_is_replaced(tmp_path):
