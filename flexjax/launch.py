@@ -274,11 +274,14 @@ def _reason(log, code: int) -> str:
   own = _last_error(log)
   if own is not None and any(line.startswith('flexjax: error: ') for line in lines):
     return own
-  if code < 0:
-    return f'killed by signal {-code}'
-  if any('distributed service detected fatal errors' in line for line in lines):
+  if any('distributed service detected fatal errors' in line for line in lines):  # it aborts
+    if any('CoordinationService/RegisterTask' in line for line in lines):  # while joining
+      return ('the other stages did not all join within --stage_timeout: one refused its flags '
+              'or inputs (see its terminal) or was not started')
     return ('the distributed runtime lost another stage (it exited, or its host cannot be '
             'reached)')
+  if code < 0:
+    return f'killed by signal {-code}'
   return own or f'exit code {code}'
 
 

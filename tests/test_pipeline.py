@@ -228,6 +228,23 @@ def test_an_unreachable_coordinator_is_one_line(four_layers):
       proc.stderr), proc.stderr
 
 
+def test_a_stage_whose_others_never_join_stops_with_one_line(four_layers):
+  """Stage 0 started by hand while stage 1 refused its input (or was never started): after
+  --stage_timeout the distributed runtime aborts it, and its launcher says why in one line."""
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--process_id=0',
+         f'--coordinator=127.0.0.1:{port}', '--stage_timeout=5', '--weights=checkpoint',
+         f'--checkpoint={four_layers}', '--prompt_len=4', '--gen_len=2', '--noprogress']
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert proc.stderr == ('flexjax: error: pipeline stage 0 of 2 stopped: the other stages did '
+                         'not all join within --stage_timeout: one refused its flags or inputs '
+                         '(see its terminal) or was not started\n'), proc.stderr
+
+
 def test_too_many_stages_is_one_line(four_layers, tmp_path):
   cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=5', '--weights=checkpoint',
          f'--checkpoint={four_layers}', '--prompt_len=4', '--gen_len=2', '--noprogress']
