@@ -112,7 +112,7 @@ class CheckpointWriter:
     else:
       try:
         os.rename(self._tmp, self.path)  # never over a folder that holds anything
-      except OSError as e:
+      except OSError:
         if not self.path.exists():
           raise
         raise self._appeared() from None

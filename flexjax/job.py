@@ -24,8 +24,6 @@ line instead of writing the same file at once.
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import json
 import math
@@ -304,17 +302,15 @@ class JobOutput:
             continue
           made = False
         try:
-          fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-          if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            os.close(fd)
-            raise FlexjaxError(
-                f'--output={str(self.path)!r} is being written by another flexjax run that is '
-                'still going; wait for it to end (or stop it), or choose another --output'
-            ) from None
-          if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):  # else no locks here: unguarded
-            os.close(fd)
-            raise
+          free = scratch.try_lock(fd)
+        except OSError:
+          os.close(fd)
+          raise
+        if not free:
+          os.close(fd)
+          raise FlexjaxError(
+              f'--output={str(self.path)!r} is being written by another flexjax run that is '
+              'still going; wait for it to end (or stop it), or choose another --output')
         if _same_file(fd, self.path):  # not a file the last holder removed as it let go
           self._lock, self._made = fd, made
         else:

@@ -230,17 +230,26 @@ def alone_in(folder: Path, waiting: str):
     yield
     return
   try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-        print(f'flexjax: {waiting}', file=sys.stderr, flush=True)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-      elif e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
-        raise
+    if not try_lock(fd):
+      print(f'flexjax: {waiting}', file=sys.stderr, flush=True)
+      fcntl.flock(fd, fcntl.LOCK_EX)
     yield
   finally:
     os.close(fd)  # drops the lock
+
+
+def try_lock(fd: int) -> bool:
+  """Takes an exclusive flock on the open file `fd` without waiting. False: another open of
+  the file (another live process) holds it; True: held now, or the filesystem has no flock (the
+  caller goes on unguarded)."""
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+      return False
+    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+      raise
+  return True
 
 
 def check_writable(folder: Path, named: str) -> None:
