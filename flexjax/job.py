@@ -283,6 +283,7 @@ class JobOutput:
     self._file = None
     self._lock: int | None = None  # the claimed output's descriptor holding its lock
     self._made = False  # claim() made the file
+    self._made_folders: list[Path] = []  # and these folders for it, deepest first
     self._opened = False  # open() started writing: the file is the job's from then on
 
   def claim(self) -> None:
@@ -290,6 +291,8 @@ class JobOutput:
     missing), held until release(); refused in one line while another live process holds it.
     Writes nothing into the file; one this run made and never wrote is removed on release."""
     try:
+      self._made_folders = [p for p in (self.path.parent, *self.path.parent.parents)
+                            if not p.exists()]
       self.path.parent.mkdir(parents=True, exist_ok=True)
       while self._lock is None:
         try:
@@ -400,11 +403,17 @@ class JobOutput:
 
   def release(self) -> None:
     """Stops writing and lets the output go: a file claim() made and nothing wrote is
-    removed first (a refused run leaves no empty output behind)."""
+    removed first, with the folders made for it where still empty (a refused run leaves no
+    empty output behind)."""
     self.close()
     if self._lock is not None:
       if self._made and not self._opened:
         self.path.unlink(missing_ok=True)
+        for folder in self._made_folders:
+          try:
+            folder.rmdir()
+          except OSError:  # holds something now (another run's files)
+            break
       os.close(self._lock)
       self._lock = None
 

@@ -322,10 +322,10 @@ def test_a_second_run_while_the_first_writes_is_refused_and_the_first_finishes(p
   assert sorted(ids) == sorted(f'row-{i}' for i in range(16)) and not marker.exists()
   # refused after taking the output (its plan exceeds the RAM budget): no file left
   rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(2))
-  fresh = tmp_path / 'fresh.jsonl'
   with pytest.raises(FlexjaxError, match='--cpu_mem allows 1.00 MiB'):
-    run_job(pre_ln.ckpt_dir, tmp_path, rows, 'fresh.jsonl', budgets={'host': 2**20})
-  assert not fresh.exists()
+    run_job(pre_ln.ckpt_dir, tmp_path, rows, 'made/for/it.jsonl', budgets={'host': 2**20})
+  assert not (tmp_path / 'made').exists()  # nor the folders made for it
+  fresh = tmp_path / 'fresh.jsonl'
   fresh.write_bytes(b'')
   _, lines = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'fresh.jsonl')
   assert sorted(lines) == ['row-0', 'row-1']
