@@ -86,7 +86,13 @@ def executions_per_layer_step(policy: Policy, *, layers=(2, 4), stops=(1, 3)) ->
   return extra / ((l2 - l1) * (s2 - s1) * policy.num_gpu_batches)
 
 
-@pytest.mark.parametrize('name', list(VARIANTS))
+# run with -m slow: CPU attention over a compressed or a sparse cache, each of which
+# sparse_compressed_cpu_attention runs too
+SLOW_VARIANTS = ('compressed_cache_cpu_attention', 'sparse_cpu_attention')
+
+
+@pytest.mark.parametrize('name', [pytest.param(name, marks=pytest.mark.slow)
+                                  if name in SLOW_VARIANTS else name for name in VARIANTS])
 def test_decode_executions_per_layer(name):
   fields, most = VARIANTS[name]
   policy = Policy(gpu_batch_size=ROWS, num_gpu_batches=BATCHES, **fields)

@@ -20,8 +20,8 @@ SLOW_SEEDS = (0, 2, 5, 6, 8, 9, 13, 14)
 # two batch jobs that between them put every tier on disk, bucketed and not, with bad and sampled
 # rows, each of four or more rows on two or more layers (`python -m tools.fuzz_placement
 # --mode=job` draws more); earlier draws run with -m slow
-JOB_SEEDS = (29, 149)
-SLOW_JOB_SEEDS = (7, 19, 26)
+JOB_SEEDS = (86, 262)
+SLOW_JOB_SEEDS = (7, 19, 26, 29, 149)
 
 # a pipeline of three processes, every tier partly on disk, no overlap, CPU attention, FlexGen's
 # placement, sampled (`python -m tools.fuzz_placement --mode=pipeline` draws more). Run with -m

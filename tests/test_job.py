@@ -299,7 +299,7 @@ def test_a_second_run_while_the_first_writes_is_refused_and_the_first_finishes(p
   """A job started again while it still runs (another terminal, a scheduler's retry) is refused
   in one line, touching nothing; the first run's output is whole. A run refused after taking a
   fresh output leaves no file, and an empty output without a progress file starts afresh."""
-  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(16, seed=5))
+  rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(10, seed=5))
   out = tmp_path / 'out.jsonl'
   marker = out.with_name('out.jsonl.progress')
   first = subprocess.Popen(job_command(pre_ln.ckpt_dir, rows, out) + ['--gpu_batch_size=1'],
@@ -319,7 +319,7 @@ def test_a_second_run_while_the_first_writes_is_refused_and_the_first_finishes(p
     if first.poll() is None:
       first.kill()
   ids = [json.loads(line)['id'] for line in out.read_text().splitlines()]
-  assert sorted(ids) == sorted(f'row-{i}' for i in range(16)) and not marker.exists()
+  assert sorted(ids) == sorted(f'row-{i}' for i in range(10)) and not marker.exists()
   # refused after taking the output (its plan exceeds the RAM budget): no file left
   rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(2))
   with pytest.raises(FlexjaxError, match='--cpu_mem allows 1.00 MiB'):
