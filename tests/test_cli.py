@@ -44,8 +44,8 @@ def test_flagfile_parses_into_a_run_config(flagfile):
   assert rc.generation.gen_len > 0 and rc.prompt_len > 0
 
 
-# Dry-run in every test run: the small default (test_auto_policy_dry_run_prints_the_choice_and_
-# prediction searches opt30b.flags); the others are marked slow (python -m pytest -m slow).
+# Dry-run in every test run: the small default; the others, and opt30b.flags' search
+# (test_auto_policy_dry_run_prints_the_choice_and_prediction), with -m slow.
 DRY_RUN_ALWAYS = ('opt125m.flags',)
 
 
@@ -273,6 +273,10 @@ def test_a_damaged_checkpoint_is_one_line_with_nothing_after_it(pre_ln, tmp_path
                     'layer_001', 'unreadable', 'convert the checkpoint again')
 
 
+# slow (45 s in CI): the searches of README's launch --dry_run (opt-1.3b per stage) and suite
+# --dry_run, and test_auto_policy_without_room_names_the_short_tier (opt-30b on the T4's profile)
+# run in every test run
+@pytest.mark.slow
 def test_auto_policy_dry_run_prints_the_choice_and_prediction(tmp_path):
   _, report = run_report(tmp_path, f'--flagfile={REPO / "configs/opt30b.flags"}',
                          '--hw_profile=paper-t4', '--gpu_mem=15', '--cpu_mem=200',

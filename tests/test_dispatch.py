@@ -134,7 +134,14 @@ COMPILED_POLICIES = {
 }
 
 
-@pytest.mark.parametrize('index,name', list(enumerate(COMPILED_POLICIES)))
+# run with -m slow: sparse attention over a split cache (cpu_attention_sparse_compressed
+# compiles sparse steps, weights_host_cache_split those of a split cache)
+SLOW_COMPILED = ('sparse_offloaded',)
+
+
+@pytest.mark.parametrize('index,name', [
+    pytest.param(i, name, marks=pytest.mark.slow) if name in SLOW_COMPILED else (i, name)
+    for i, name in enumerate(COMPILED_POLICIES)])
 def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
   """generate()'s warm-up (plan.Planner.compile_run: the plan's compiles and the few it lacks)
   leaves nothing for the run to compile; a model of its own shape, so no earlier test compiled

@@ -11,10 +11,10 @@ from tools import fuzz_placement
 # three draws that between them cover every kind of run, each with two or more layers and three
 # or more new tokens (test_the_draws_cover_every_kind_of_run); `python -m tools.fuzz_placement`
 # draws many more
-SEEDS = (63, 161, 246)
+SEEDS = (204, 214, 246)
 # earlier draws, run with -m slow (8, 9 and 13 differed while a finished row's logits depended on
 # its block)
-SLOW_SEEDS = (0, 2, 5, 6, 8, 9, 13, 14)
+SLOW_SEEDS = (0, 2, 5, 6, 8, 9, 13, 14, 63, 161)
 
 
 # two batch jobs that between them put every tier on disk, bucketed and not, with bad and sampled

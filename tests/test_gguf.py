@@ -378,7 +378,14 @@ SMOLLM2_PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize('name', list(SMOLLM2_PLACEMENTS))
+# run with -m slow: CPU attention and a three-way cache split, which the tiny Llama runs in
+# tests/test_llama_offload.py; the weights streamed from disk stay in every run
+SLOW_SMOLLM2_PLACEMENTS = ('cpu_attention_cache_host', 'cache_split_3_ways')
+
+
+@pytest.mark.parametrize('name', [pytest.param(name, marks=pytest.mark.slow)
+                                  if name in SLOW_SMOLLM2_PLACEMENTS else name
+                                  for name in SMOLLM2_PLACEMENTS])
 def test_smollm2_placement_reproduces_the_all_device_run(smollm2, tmp_path, name):
   """The first 8 of the 32 steps (each run compiles its own steps: fewer keep the test short)."""
   result = run(smollm2.ckpt, SMOLLM2_PLACEMENTS[name], smollm2.prompts, 8, tmp_path)
