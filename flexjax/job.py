@@ -24,6 +24,7 @@ line instead of writing the same file at once.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -359,9 +360,8 @@ class JobOutput:
       if str(len(policies)) not in self.policies:
         self.policies[str(len(policies))] = [dataclasses.asdict(p) for p in policies]
         self._save_marker()
-      fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
-      os.ftruncate(fd, self._bytes)
-      self._file = os.fdopen(fd, 'ab')
+      os.ftruncate(self._lock, self._bytes)  # the claimed descriptor: the file it locked
+      self._file = os.fdopen(os.dup(self._lock), 'ab')  # closed, the lock stays with _lock
     except OSError as e:
       raise self._failed(e) from None
 
@@ -382,9 +382,15 @@ class JobOutput:
       raise self._failed(e) from None
 
   def _failed(self, error: OSError) -> FlexjaxError:
+    """One line for a failed claim or write; what to do depends on why (a full disk or a file
+    size limit, or anything else: permissions, a read-only or failing disk)."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+      fix = 'free space there'
+    else:
+      fix = 'make it writable there (or choose another --output)'
     return FlexjaxError(
-        f'writing --output={str(self.path)!r} failed ({error.strerror}); free space there and '
-        'run the same command again: the job resumes after its last complete block')
+        f'writing --output={str(self.path)!r} failed ({error.strerror}); {fix} and run the same '
+        'command again: the job resumes after its last complete block')
 
   def finish(self) -> None:
     """The job is complete: the progress file goes (the output still claimed)."""

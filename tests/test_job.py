@@ -329,3 +329,38 @@ def test_a_second_run_while_the_first_writes_is_refused_and_the_first_finishes(p
   fresh.write_bytes(b'')
   _, lines = run_job(pre_ln.ckpt_dir, tmp_path, rows, 'fresh.jsonl')
   assert sorted(lines) == ['row-0', 'row-1']
+
+
+def test_a_failed_write_names_the_fix_for_its_cause(tmp_path):
+  """A full disk or a file size limit: free space; anything else (a read-only or failing disk,
+  permissions): another place. Both resume with the same command."""
+  import errno
+  output = job_lib.JobOutput(str(tmp_path / 'out.jsonl'), 'job')
+  for code, fix in ((errno.ENOSPC, 'free space there'), (errno.EFBIG, 'free space there'),
+                    (errno.EROFS, 'make it writable there (or choose another --output)'),
+                    (errno.EIO, 'make it writable there (or choose another --output)')):
+    message = str(output._failed(OSError(code, os.strerror(code))))
+    assert message == (f"writing --output={str(tmp_path / 'out.jsonl')!r} failed "
+                       f'({os.strerror(code)}); {fix} and run the same command again: the job '
+                       'resumes after its last complete block'), message
+
+
+def test_the_claimed_output_is_the_file_written_and_the_lock_outlives_it(tmp_path):
+  """open() writes through the claimed descriptor: the blocks land in the file claim() locked,
+  and the lock holds until release(), after the writing file is closed."""
+  import fcntl
+  path = tmp_path / 'out.jsonl'
+  output = job_lib.JobOutput(str(path), 'job')
+  output.claim()
+  try:
+    output.open([Policy(gpu_batch_size=2)])
+    output.write_block(0, [{'id': 'a'}, {'id': 'b'}])
+    output.close()
+    assert path.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
+    with open(path, 'rb') as other:
+      with pytest.raises(BlockingIOError):
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+  finally:
+    output.release()
+  with open(path, 'rb') as other:
+    fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go
