@@ -333,7 +333,7 @@ def test_a_second_run_while_the_first_writes_is_refused_and_the_first_finishes(p
 
 def test_a_failed_write_names_the_fix_for_its_cause(tmp_path):
   """A full disk or a file size limit: free space; anything else (a read-only or failing disk,
-  permissions): another place. Both resume with the same command."""
+  permissions): make it writable or choose another --output. Either way the same command resumes."""
   import errno
   output = job_lib.JobOutput(str(tmp_path / 'out.jsonl'), 'job')
   for code, fix in ((errno.ENOSPC, 'free space there'), (errno.EFBIG, 'free space there'),
