@@ -174,10 +174,14 @@ class Steps:
         static_argnames=('device_rows',),
         donate_argnums=(2,), compiler_options=options)
     self.prefill_layer = prefill(None)
-    # On a CPU backend, long float32 prompt steps run their products in oneDNN (`uses_library`;
-    # bfloat16 ones ran slower there: opt-1.3b prefill layer of 8 x 512, 897 against 773 ms).
-    library = linear.in_library(device.platform, self.compute, linear.LIBRARY_ROWS)
-    self.prefill_layer_library = prefill(linear.library_options()) if library else None
+    # On a CPU backend, long float32 prompt steps of OPT's layers run their products in oneDNN
+    # (`uses_library`; bfloat16 ones ran slower there: opt-1.3b prefill layer of 8 x 512, 897
+    # against 773 ms). Not Llama's: XLA:CPU's oneDNN fusion corrupted the heap from a run's second
+    # layer on in layers with grouped-query attention (SmolLM2's, 576 wide with 3 KV heads; 512
+    # wide with 2 KV heads), a crash or a hang mid-run (tests/test_linear.py).
+    self.library = cfg.family == 'opt' and linear.in_library(device.platform, self.compute,
+                                                              linear.LIBRARY_ROWS)
+    self.prefill_layer_library = prefill(linear.library_options()) if self.library else None
     self.decode_layer = jax.jit(functools.partial(decode_layer, **layer_kw),
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))
     self.decode_front = jax.jit(functools.partial(decode_front, **layer_kw),
@@ -202,9 +206,10 @@ class Steps:
     return self.cfg.kv_dim, self.cache
 
   def uses_library(self, geom: Geometry) -> bool:
-    """Whether the prefill steps of `geom` run their products in oneDNN (XLA:CPU, float32,
-    prompt products of linear.LIBRARY_ROWS rows or more)."""
-    return linear.in_library(self.device.platform, self.compute, geom.rows * geom.prompt_len)
+    """Whether the prefill steps of `geom` run their products in oneDNN (OPT's layers on
+    XLA:CPU, float32, prompt products of linear.LIBRARY_ROWS rows or more)."""
+    return self.library and linear.in_library(self.device.platform, self.compute,
+                                              geom.rows * geom.prompt_len)
 
   def prompt_forms(self) -> tuple[int, ...]:
     """The product rows from which a prompt step's products take another form: the cast matrix

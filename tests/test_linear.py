@@ -138,3 +138,36 @@ def test_long_prompt_steps_run_their_products_in_onednn_and_match_xlas():
   real = np.asarray(mask)
   np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5,
                              atol=1e-5 * float(jnp.abs(want).max()))
+
+
+_LLAMA_LONG_PROMPT = '''
+import dataclasses, sys
+import numpy as np
+from flexjax.config import preset
+from flexjax.engine import Engine, GenerationConfig
+from flexjax.policy import Policy
+from flexjax.weights import DummyWeights
+cfg = dataclasses.replace(preset('smollm2-135m'), num_layers=2)  # its vocabulary too
+prompts = [[1] + [10 + (7 * i + j) % 900 for j in range(511)] for i in range(8)]
+out = []
+for rows in (8, 4):  # 8 x 512 product rows: oneDNN's for OPT; 4 x 512: XLA's own for both
+  with Engine(DummyWeights(cfg, 'float32'), policy=Policy(gpu_batch_size=rows)) as engine:
+    assert not engine.planner.steps(engine.policy).library
+    out.append(engine.generate(prompts, GenerationConfig(gen_len=3), return_logits=True))
+np.testing.assert_array_equal(out[0].tokens, out[1].tokens)
+np.testing.assert_allclose(out[0].logits, out[1].logits, atol=1e-4, rtol=0)
+print('same')
+'''
+
+
+def test_a_long_llama_prompt_step_keeps_xlas_products_and_runs_every_layer():
+  """A SmolLM2-shaped Llama (grouped-query attention) prefilled 8 x 512 rows on two layers,
+  in a process of its own: with XLA:CPU's oneDNN fusion its programs corrupted the heap (a
+  crash or a hang from the second layer on); its steps keep XLA's own products and give the
+  tokens of the same prompts in two blocks of four."""
+  import os
+  import subprocess
+  import sys
+  done = subprocess.run([sys.executable, '-c', _LLAMA_LONG_PROMPT], capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert done.returncode == 0 and done.stdout.strip().endswith('same'), done.stderr[-3000:]
