@@ -215,8 +215,11 @@ class Steps:
     """The product rows from which a prompt step's products take another form: the cast matrix
     (linear.CAST_ALL_ROWS) and, on a CPU backend, from linear.LIBRARY_ROWS, oneDNN's products
     in float32 and XLA:CPU's YNNPACK graph fusions in other dtypes (their tensors are
-    flexjax/library_scratch.py's; none at 3584 rows, from 4096 on)."""
-    return (linear.CAST_ALL_ROWS, linear.LIBRARY_ROWS) if self.device.platform == 'cpu' else (
+    flexjax/library_scratch.py's; none at 3584 rows, from 4096 on). Float32 layers that keep
+    XLA's own products (Llama's, `library`) take no other form there."""
+    library_form = self.device.platform == 'cpu' and (
+        self.library or jnp.dtype(self.compute) != jnp.float32)
+    return (linear.CAST_ALL_ROWS, linear.LIBRARY_ROWS) if library_form else (
         linear.CAST_ALL_ROWS,)
 
   def keep(self, total_len: int) -> int | None:
