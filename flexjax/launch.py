@@ -6,6 +6,7 @@ every other stage once one exits with an error and names it in one line. On seve
 start one process per host with --coordinator=host:port --num_processes=N --process_id=i.
 """
 
+import functools
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from absl import flags
 from flexjax import flags as flags_lib
 from flexjax import hardware
 from flexjax.errors import FlexjaxError, flags_parser
+from flexjax.stopping import StopWatch
 
 _GRACE_S = 5  # a stage told to stop gets this long before it is killed
 _BECAUSE_OF_OTHERS = 3  # a stage's exit code when it stops because another stage cannot run
@@ -44,11 +46,13 @@ def define_launch_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                        'and for a silent one before it gives up.', lower_bound=5, **f)
 
 
-def main(argv) -> int:
+def main(argv, stop: StopWatch | None = None) -> int:
+  from flexjax.main import interrupted, kept
+  if stop is not None:
+    stop.kept = kept(flags.FLAGS.input, flags.FLAGS.output)
   try:
     return _main(argv)
   except KeyboardInterrupt:  # the stages were stopped; a job's synced outputs stay
-    from flexjax.main import interrupted
     print(interrupted(flags.FLAGS.input, flags.FLAGS.output), file=sys.stderr)
     return 130
 
@@ -301,16 +305,11 @@ def _forward(log) -> None:
       print(line, file=sys.stderr)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-  del frame
-  sys.exit(128 + signum)
-
-
 def entry() -> None:
-  signal.signal(signal.SIGTERM, _exit_on_sigterm)
+  stop = StopWatch()  # a stage whose step never finishes still ends (flexjax.stopping)
   flags_lib.define_flags()
   define_launch_flags()
-  app.run(main, flags_parser=flags_parser('flexjax'))
+  app.run(functools.partial(main, stop=stop), flags_parser=flags_parser('flexjax'))
 
 
 if __name__ == '__main__':

@@ -1,8 +1,8 @@
 """Command-line entry point: python -m flexjax.main --flagfile=configs/opt-125m.flags"""
 
+import functools
 import json
 import logging
-import signal
 import sys
 
 from absl import app
@@ -11,9 +11,10 @@ from flexjax import flags as flags_lib
 from flexjax import hardware
 from flexjax.errors import FlexjaxError, flags_parser
 from flexjax.job import write_atomically
+from flexjax.stopping import STOP_GRACE_S, StopWatch
 
 
-def main(argv) -> int:
+def main(argv, stop: StopWatch | None = None) -> int:
   if len(argv) > 1:
     print(f'flexjax: error: unexpected arguments {argv[1:]}; every option is a --flag',
           file=sys.stderr)
@@ -27,6 +28,8 @@ def main(argv) -> int:
   rc = None
   try:
     rc = flags_lib.run_config_from_flags()
+    if stop is not None:
+      stop.kept = kept(rc.input, rc.output)
     check_paths(rc, report_json)
     use_compile_cache(flags.FLAGS.compile_cache, rc.weights_cache)  # before anything compiles
     result = run(rc)
@@ -45,9 +48,13 @@ def main(argv) -> int:
 
 def interrupted(job_input: str | None, output: str | None) -> str:
   """The line a run stopped by Ctrl-C ends with: a job's output keeps its finished blocks."""
-  kept = (f'; {output!r} keeps the rows written so far: run the same command again to '
+  return f'flexjax: interrupted{kept(job_input, output)}'
+
+
+def kept(job_input: str | None, output: str | None) -> str:
+  """What a stopped run leaves the user, as the end of its last line: a job's written rows."""
+  return (f'; {output!r} keeps the rows written so far: run the same command again to '
           'resume') if job_input and output else ''
-  return f'flexjax: interrupted{kept}'
 
 
 def table(report: dict) -> str:
@@ -68,15 +75,12 @@ def _shown(value) -> str:
   return str(value)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-  del frame
-  sys.exit(128 + signum)  # unwinds like Ctrl-C, so the offload folder and temp files go too
-
-
-def entry() -> None:
-  signal.signal(signal.SIGTERM, _exit_on_sigterm)
+def entry(grace_s: float = STOP_GRACE_S) -> None:
+  """SIGTERM and Ctrl-C unwind the run; a run that has not ended `grace_s` after them ends
+  without its clean-up (flexjax.stopping)."""
+  stop = StopWatch(grace_s)
   flags_lib.define_flags()
-  app.run(main, flags_parser=flags_parser('flexjax'))
+  app.run(functools.partial(main, stop=stop), flags_parser=flags_parser('flexjax'))
 
 
 if __name__ == '__main__':

@@ -164,28 +164,63 @@ def job_command(ckpt, rows: Path, out: Path) -> list[str]:
           f'--input={rows}', f'--output={out}', '--gpu_batch_size=2', '--noprogress']
 
 
+def stuck_after(command: list[str], out: Path, lines: int, grace_s: float) -> list[str]:
+  """`python -m flexjax.main ARGS` as a run whose main thread hangs in native code, as on a step
+  that never finishes (a mutex it holds locked again), at its first step once `out` has `lines`
+  lines; it then makes `out`.stuck. It stops with `grace_s` of grace (flexjax.stopping)."""
+  python, flag, module, *args = command
+  assert (flag, module) == ('-m', 'flexjax.main'), command
+  return [python, '-c', f'''
+import ctypes, sys
+from pathlib import Path
+from flexjax import executor, main
+compute, out = executor.Executor._compute, Path({str(out)!r})
+mutex, libc = ctypes.create_string_buffer(64), ctypes.CDLL(None)
+def hung(self, *args, **kwargs):
+  if out.exists() and out.read_bytes().count(b"\\n") >= {lines}:
+    out.with_name(out.name + ".stuck").touch()
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+  return compute(self, *args, **kwargs)
+executor.Executor._compute = hung
+sys.argv = {[module, *args]!r}
+main.entry(grace_s={grace_s})
+''']
+
+
 def run_killed(cmd: list[str], out: Path, after_lines: int | None,
-               sig: int = signal.SIGKILL) -> bool:
+               sig: int = signal.SIGKILL, stuck: bool = False) -> bool:
   """Starts the job and sends it `sig` (kill -9) once the output has after_lines lines (None: as
-  soon as its progress file exists). Returns whether it was stopped before finishing."""
+  soon as its progress file exists), or once it is stuck in a step (`stuck`: SIGTERM, which it
+  answers after its grace time). Returns whether it was stopped before finishing."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   marker = out.with_name(out.name + '.progress')
   # Ctrl-C goes to a fresh job once it has made its progress file: its handler is in place, and
   # all of the job is still to run (a signal sent near the end can land as the process exits)
   assert sig != signal.SIGINT or (after_lines is None and not marker.exists())
+  hung = out.with_name(out.name + '.stuck')
+  if stuck:
+    cmd, sig = stuck_after(cmd, out, after_lines, grace_s=2), signal.SIGTERM
   proc = subprocess.Popen(interruptible(cmd) if sig == signal.SIGINT else cmd, env=env, cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 240
+  kept = f"{str(out)!r} keeps the rows written so far: run the same command again to resume"
   while proc.poll() is None and time.time() < deadline:
     lines = out.read_bytes().count(b'\n') if out.exists() else 0
-    if marker.exists() and (after_lines is None or lines >= after_lines):
+    if hung.exists() if stuck else (marker.exists() and (after_lines is None
+                                                          or lines >= after_lines)):
       proc.send_signal(sig)
       _, err = proc.communicate(timeout=240)
       if sig == signal.SIGINT:  # one line; the run's folders removed on the way out
         assert proc.returncode == 130, err.decode()[-3000:]
+        assert err.decode().splitlines()[-1] == f'flexjax: interrupted; {kept}', err.decode()
+      if stuck:  # its unwinding waits on the step: ended by the watcher, in one line
+        hung.unlink()
+        assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-3000:]
         assert err.decode().splitlines()[-1] == (
-            f"flexjax: interrupted; {str(out)!r} keeps the rows written so far: run the same "
-            'command again to resume'), err.decode()[-3000:]
+            'flexjax: stopped without its clean-up: it did not stop within 2 s of SIGTERM (a '
+            'step that never finishes holds its clean-up); the next run removes the folders '
+            f'this one leaves; {kept}'), err.decode()[-3000:]
       return True
     time.sleep(0.01)
   _, err = proc.communicate(timeout=240)
@@ -195,7 +230,9 @@ def run_killed(cmd: list[str], out: Path, after_lines: int | None,
 
 def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   """With the KV cache and part of the weights on disk: every restart also removes the offload
-  folders the killed runs left (flexjax.scratch)."""
+  folders the killed runs left (flexjax.scratch). One run is stopped while stuck in a step (its
+  main thread in native code that never returns): SIGTERM ends it after its grace time, and it
+  leaves what a kill -9 would."""
   rows = write_rows(tmp_path / 'rows.jsonl', mixed_rows(10, seed=3, sampled=True)
                     + ['{"id": "broken"'])
   offload = tmp_path / 'offload'
@@ -209,15 +246,16 @@ def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   out = tmp_path / 'out.jsonl'
   cmd = job_command(pre_ln.ckpt_dir, rows, out) + disk
   kills = 0
-  # Ctrl-C at start-up; kill -9 mid-job (the bad rows written first), near the end
-  for after, sig in ((None, signal.SIGINT), (4, signal.SIGKILL), (8, signal.SIGKILL)):
-    killed = run_killed(cmd, out, after, sig)
+  # Ctrl-C at start-up; stuck mid-job (the bad rows written first), then SIGTERM; kill -9 near
+  # the end
+  for after, sig in ((None, signal.SIGINT), (4, None), (8, signal.SIGKILL)):
+    killed = run_killed(cmd, out, after, sig or signal.SIGKILL, stuck=sig is None)
     kills += killed
     if out.exists():  # what a killed run left is whole lines only up to its progress record
       state = json.loads(out.with_name('out.jsonl.progress').read_text())
       assert expected.startswith(out.read_bytes()[:state['bytes']])
     # each start removed the last killed run's folder; an interrupted run removed its own
-    assert len(list(offload.iterdir())) <= (1 if sig == signal.SIGKILL else 0)
+    assert len(list(offload.iterdir())) <= (0 if sig == signal.SIGINT else 1)
   assert kills >= 2
   if killed:  # past its 8th line: its KV cache files are still there
     (left,) = offload.iterdir()
