@@ -15,6 +15,7 @@ from flexjax import plan as plan_lib
 from flexjax.plan import Linear, term
 from flexjax.config import ModelConfig
 from flexjax.hardware import HardwareProfile
+from flexjax.model import linear
 from flexjax.model import params as params_lib
 from flexjax.policy import Policy
 
@@ -95,7 +96,9 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
   hid = h * sizes.compute
   flops_layer = 2 * layer_matmul_params(cfg)  # per token
   q_dim = cfg.q_dim  # attention's width: scores and weighted sums over every query head
-  mm_p, mm_g = hw.matmul_flops(gbs * s), hw.matmul_flops(gbs)
+  # a long prompt step's products: oneDNN's or XLA's own, as the family's steps compile them
+  mm_p = hw.matmul_flops(gbs * s, library=linear.family_in_library(cfg.family))
+  mm_g = hw.matmul_flops(gbs)
   bmm_p, bmm_g = hw.prompt_attention_flops(gbs), hw.attention_flops(gbs)
   # The engine's own time per stage step beside its products, once per GPU batch.
   step = (hw.step_overhead_s or 0.0) * policy.num_gpu_batches

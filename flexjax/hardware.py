@@ -24,6 +24,9 @@ CPU_RUNTIME_OVERHEAD = 256 * 2**20
 CPU_COMPILE_OVERHEAD = 96 * 2**20
 
 
+_RATE_TABLES = ('mm_flops', 'bmm_flops', 'xla_mm_flops')  # rows -> FLOP/s, keyed by int
+
+
 @dataclasses.dataclass(frozen=True)
 class HardwareProfile:
   """Bytes/s between tiers and FLOP/s of the compute units.
@@ -57,12 +60,22 @@ class HardwareProfile:
   # once the steps are compiled and have run, and the compiler's extra while compiling.
   runtime_overhead_bytes: int | None = None
   compile_overhead_bytes: int | None = None
+  # Where mm_flops holds oneDNN's rate (a CPU's float32 prompt-sized products:
+  # linear.in_library), XLA's own products' rate at the same sizes: that of the layers that keep
+  # them (linear.family_in_library). None: mm_flops' rates hold for every layer.
+  xla_mm_flops: dict[int, float] | None = None
 
-  def matmul_flops(self, rows: int) -> float:
+  def matmul_flops(self, rows: int, library: bool = True) -> float:
     """The matmul rate at `rows`, never below a smaller size's: a product of many rows can
-    always run as products of fewer (the measured tables dip where a size leaves the caches)."""
-    sizes = sorted(self.mm_flops)
-    envelope = dict(zip(sizes, np.maximum.accumulate([self.mm_flops[m] for m in sizes])))
+    always run as products of fewer (the measured tables dip where a size leaves the caches).
+    `library`: whether the layer's long prompt steps run oneDNN's products. Where both were
+    measured (xla_mm_flops' sizes and up), oneDNN's rates then hold; below them, and for layers
+    that keep XLA's own products, XLA's."""
+    xla = self.xla_mm_flops or {}
+    rates = (self.mm_flops if library and xla and rows >= min(xla)
+             else {**self.mm_flops, **xla})
+    sizes = sorted(rates)
+    envelope = dict(zip(sizes, np.maximum.accumulate([rates[m] for m in sizes])))
     return _interpolate(envelope, rows)
 
   def attention_flops(self, rows: int) -> float:
@@ -74,16 +87,18 @@ class HardwareProfile:
 
   def to_json(self) -> str:
     d = dataclasses.asdict(self)
-    d['mm_flops'] = {str(k): v for k, v in self.mm_flops.items()}
-    d['bmm_flops'] = {str(k): v for k, v in self.bmm_flops.items()}
+    for table in _RATE_TABLES:
+      if d[table] is not None:
+        d[table] = {str(k): v for k, v in d[table].items()}
     return json.dumps(d, indent=2) + '\n'
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> 'HardwareProfile':
     try:
       d = json.loads(Path(path).read_text())
-      d['mm_flops'] = {int(k): float(v) for k, v in d['mm_flops'].items()}
-      d['bmm_flops'] = {int(k): float(v) for k, v in d['bmm_flops'].items()}
+      for table in _RATE_TABLES:
+        if d.get(table) is not None:
+          d[table] = {int(k): float(v) for k, v in d[table].items()}
       return cls(**d)
     except FileNotFoundError:
       raise FlexjaxError(f'hardware profile {str(path)!r} does not exist; measure one with '
@@ -132,8 +147,13 @@ def cpu_info() -> tuple[str | None, list[str]]:
   return model, [flag for flag in VECTOR_FLAGS if flag in flags]
 
 
+# What a measured profile holds; a cached one of another format is measured again. 2: XLA's own
+# products' rate apart where oneDNN's was measured (xla_mm_flops).
+PROFILE_FORMAT = 2
+
+
 def machine_key(device, scratch_dir: str | None) -> dict[str, object]:
-  """What a measured profile holds for: the device, the cores this process may use, the CPU
+  """What a measured profile holds for: its format, the device, the cores this process may use, the CPU
   and its RAM, the jax build (rates and the runtime's own memory), and the filesystem the disk
   rates were read from (scratch_dir's, else the system temp folder's)."""
   import importlib.metadata
@@ -143,9 +163,9 @@ def machine_key(device, scratch_dir: str | None) -> dict[str, object]:
   while not folder.exists() and folder != folder.parent:  # made later, on its parent's disk
     folder = folder.parent
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-  return {'platform': device.platform, 'device_kind': device.device_kind,
-          'devices': jax.local_device_count(device.platform), 'cpu_model': model,
-          'cpu_vector_flags': flags, 'cores': cores,
+  return {'profile': PROFILE_FORMAT, 'platform': device.platform,
+          'device_kind': device.device_kind, 'devices': jax.local_device_count(device.platform),
+          'cpu_model': model, 'cpu_vector_flags': flags, 'cores': cores,
           'ram_bytes': memwatch.meminfo_bytes('MemTotal'),
           'jax': jax.__version__, 'jaxlib': importlib.metadata.version('jaxlib'),
           'disk': folder.stat().st_dev}
@@ -357,13 +377,15 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   from flexjax.model import attention
   from flexjax.model import linear
 
-  sizes = _probe_sizes(quick)
-  bar = progress_lib.bar(3 + len(sizes) + 4 + 4, 'measuring', unit='test', show=progress)
-
   device = device or jax.devices()[0]
   cpu = cpu_device()
   compute = jnp.float32 if device.platform == 'cpu' else jnp.float16
   itemsize = np.dtype(compute).itemsize
+  sizes = _probe_sizes(quick)
+  # sizes whose products an OPT layer's prompt step runs in oneDNN: XLA's own measured there too
+  library_sizes = [m for m in sizes if linear.in_library(device.platform, compute, m)]
+  bar = progress_lib.bar(3 + len(sizes) + len(library_sizes) + 4 + 4, 'measuring', unit='test',
+                         show=progress)
 
   # The engine's product: weights as stored (float16), cast a tile at a time where the backend
   # computes in float32 (a decode step of few rows is bound by reading them, not by FLOPs), and
@@ -405,10 +427,9 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
   def matmul_rates():
     weights = product_matrices()
 
-    def rate(rows):
+    def rate(rows, library):
       a = jax.device_put(np.ones((rows, hidden), compute), device)
-      # compiled as a prompt step of that many rows is
-      library = linear.in_library(device.platform, compute, rows)
+      # compiled as a prompt step of that many rows is (oneDNN's products where `library`)
       f = jax.jit(functools.partial(linear.dense, dtype=compute)).lower(a, weights[0]).compile(
           linear.library_options() if library else None)
       f(a, weights[0]).block_until_ready()
@@ -416,7 +437,8 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
       bar.update(1)
       return 2 * rows * hidden * 4 * hidden * len(weights) / seconds
 
-    return {m: rate(m) for m in sizes}
+    return ({m: rate(m, m in library_sizes) for m in sizes},
+            {m: rate(m, False) for m in library_sizes} or None)
 
   probe_cfg = ModelConfig(name='attention-probe', num_layers=1, hidden_size=hidden,
                           num_heads=hidden // 64, ffn_dim=4 * hidden, vocab_size=64,
@@ -461,7 +483,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
 
   with bar:
     ctog, gtoc, dtoc, ctod, overlap = part(transfers_and_disk)
-    mm = part(matmul_rates)
+    mm, xla_mm = part(matmul_rates)
     bmm = {m: part(attention_rate, m, device) for m in sizes[:4]}
     cpu_flops = part(attention_rate, 32, cpu, standalone=True)
     prefill_attention = part(prefill_attention_rate, 4)
@@ -473,7 +495,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
                          gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod, mm_flops=mm, bmm_flops=bmm,
                          cpu_flops=cpu_flops, copies_share_compute=device.platform == 'cpu',
                          prefill_attention_flops=prefill_attention, step_overhead_s=overhead,
-                         disk_overlap=overlap)
+                         disk_overlap=overlap, xla_mm_flops=xla_mm)
 
 
 def step_overhead(num_layers: int = 4, gpu_batches: int = 8, gen_len: int = 9) -> float:

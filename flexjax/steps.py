@@ -176,11 +176,9 @@ class Steps:
     self.prefill_layer = prefill(None)
     # On a CPU backend, long float32 prompt steps of OPT's layers run their products in oneDNN
     # (`uses_library`; bfloat16 ones ran slower there: opt-1.3b prefill layer of 8 x 512, 897
-    # against 773 ms). Not Llama's: XLA:CPU's oneDNN fusion corrupted the heap from a run's second
-    # layer on in layers with grouped-query attention (SmolLM2's, 576 wide with 3 KV heads; 512
-    # wide with 2 KV heads), a crash or a hang mid-run (tests/test_linear.py).
-    self.library = cfg.family == 'opt' and linear.in_library(device.platform, self.compute,
-                                                              linear.LIBRARY_ROWS)
+    # against 773 ms); Llama's keep XLA's own (linear.family_in_library).
+    self.library = linear.family_in_library(cfg.family) and linear.in_library(
+        device.platform, self.compute, linear.LIBRARY_ROWS)
     self.prefill_layer_library = prefill(linear.library_options()) if self.library else None
     self.decode_layer = jax.jit(functools.partial(decode_layer, **layer_kw),
                                 static_argnames=('device_rows', 'keep'), donate_argnums=(2,))

@@ -166,6 +166,28 @@ def test_matmul_rate_never_drops_with_more_rows():
   assert hw.matmul_flops(8192) == 2e11 and hw.matmul_flops(8) == 8e10
 
 
+def test_long_prompt_steps_are_charged_at_the_rate_of_the_products_their_family_runs(tmp_path):
+  """Where a profile measured both, an OPT layer's long prompt step is charged at oneDNN's rate
+  and a Llama layer's at XLA's own (linear.family_in_library); decode steps alike. The table
+  survives the profile's file."""
+  both = toy_hardware(mm_flops={1: 1e10, 2048: 1e11, 4096: 4e11}, xla_mm_flops={4096: 1e11})
+  both.save(tmp_path / 'hw.json')
+  assert HardwareProfile.load(tmp_path / 'hw.json') == both
+  onednn = toy_hardware(mm_flops={1: 1e10, 2048: 1e11, 4096: 4e11})
+  xla = toy_hardware(mm_flops={1: 1e10, 2048: 1e11, 4096: 1e11})
+  # a product of fewer rows than oneDNN's runs XLA's, whatever the family
+  assert both.matmul_flops(3000) == xla.matmul_flops(3000) < onednn.matmul_flops(3000)
+  llama = ModelConfig(name='tiny-llama', family='llama', num_layers=2, hidden_size=64,
+                      num_heads=4, num_kv_heads=2, ffn_dim=128, vocab_size=1000,
+                      max_positions=1024)
+  policy = Policy(gpu_batch_size=8, num_gpu_batches=2)
+  for cfg, same, other in ((dataclasses.replace(TINY, max_positions=1024), onednn, xla),
+                           (llama, xla, onednn)):
+    times = {name: cost_model.predict(cfg, policy, hw, FP32, prompt_len=512, gen_len=4)
+             for name, hw in (('both', both), ('same', same), ('other', other))}
+    assert times['both'] == times['same'] != times['other'], (cfg.family, times)
+
+
 def _cpu_model(disk_overlap: float, overlap: bool = True):
   hw = toy_hardware(copies_share_compute=True, disk_overlap=disk_overlap)
   policy = Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0, overlap=overlap)

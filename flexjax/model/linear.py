@@ -55,6 +55,15 @@ def in_library(platform: str, dtype, rows: int) -> bool:
   return platform == 'cpu' and jnp.dtype(dtype) == jnp.float32 and rows >= LIBRARY_ROWS
 
 
+def family_in_library(family: str) -> bool:
+  """Whether a model family's layers run their long prompt steps' products in oneDNN (where
+  in_library): OPT's. Not Llama's: XLA:CPU's oneDNN fusion corrupted the heap from a run's
+  second layer on in layers with grouped-query attention (SmolLM2's, 576 wide with 3 KV heads;
+  512 wide with 2 KV heads), a crash or a hang mid-run (tests/test_linear.py); they keep XLA's
+  own products, whose rate the measured profile keeps apart (HardwareProfile.xla_mm_flops)."""
+  return family == 'opt'
+
+
 def library_options() -> dict[str, object]:
   """XLA:CPU's compiler options for programs of LIBRARY_ROWS product rows or more: matrix
   products through oneDNN (on the AVX-512 CPU, an opt-1.3b prefill layer of 8 x 512 1929 ->
