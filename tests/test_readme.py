@@ -100,8 +100,17 @@ def _run(argv: list[str], tmp_path: Path, env_extra: dict | None = None,
   argv = [sys.executable if argv[0] == 'python' else argv[0], *argv[1:]]
   proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                         timeout=600)
-  assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+  if proc.returncode != 0:  # whole lines, the fatal error's own first (pytest cuts a repr)
+    lines = proc.stderr.splitlines()
+    fatal = [line for line in lines if any(mark in line for mark in FATAL_MARKS)]
+    pytest.fail(f'{argv} exited with {proc.returncode}:\n' + '\n'.join(fatal[:10] + lines[-60:]),
+                pytrace=False)
   return proc
+
+
+# How a process that aborts or crashes says why (Python, absl/XLA, glibc, C++).
+FATAL_MARKS = ('Fatal Python error', 'Check failed', 'malloc', 'corrupted', 'double free',
+               'terminate called', 'Segmentation fault', 'Aborted')
 
 
 def _sub(argv: list[str], **subs: str) -> list[str]:
