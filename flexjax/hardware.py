@@ -153,9 +153,9 @@ PROFILE_FORMAT = 2
 
 
 def machine_key(device, scratch_dir: str | None) -> dict[str, object]:
-  """What a measured profile holds for: its format, the device, the cores this process may use, the CPU
-  and its RAM, the jax build (rates and the runtime's own memory), and the filesystem the disk
-  rates were read from (scratch_dir's, else the system temp folder's)."""
+  """What a measured profile holds for: its format, the device, the cores this process may use,
+  the CPU and its RAM, the jax build (rates and the runtime's own memory), and the filesystem the
+  disk rates were read from (scratch_dir's, else the system temp folder's)."""
   import importlib.metadata
   import jax
   model, flags = cpu_info()
