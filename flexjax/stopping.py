@@ -1,10 +1,11 @@
-"""How a process ends once it is told to stop (SIGTERM, Ctrl-C), even when a step never finishes.
+"""How a process ends once it is told to stop (SIGTERM, Ctrl-C, SIGHUP), even when a step never
+finishes.
 
-The signal is answered in the main thread: SIGTERM exits and Ctrl-C raises KeyboardInterrupt,
-and the unwinding removes the run's folders (a job's synced rows stay). But Python runs signal
-handlers only between bytecodes of the main thread: a main thread waiting in native code on a
-step that never finishes (a hung XLA computation) never runs the handler, and an unwinding that
-waits on such a step never ends. So a watcher thread hears every signal too (through the wakeup
+The signal is answered in the main thread: SIGTERM and SIGHUP exit, Ctrl-C raises
+KeyboardInterrupt, and the unwinding removes the run's folders (a job's synced rows stay). But
+Python runs signal handlers only between bytecodes of the main thread: a main thread waiting in
+native code on a step that never finishes (a hung XLA computation) never runs the handler, and
+an unwinding that waits on such a step never ends. So a watcher thread hears every signal too (through the wakeup
 descriptor the interpreter writes each caught signal's number to, from whatever thread the
 kernel interrupted) and ends the process itself when the main thread has not done so within the
 grace time, or at once on a second signal. Such an exit is what a `kill -9` leaves, which every
@@ -23,23 +24,27 @@ import threading
 import time
 
 STOP_GRACE_S = 30.0  # how long the main thread may take to unwind after the first signal
-STOPPING = {signal.SIGINT: 'Ctrl-C', signal.SIGTERM: 'SIGTERM'}
+STOPPING = {signal.SIGINT: 'Ctrl-C', signal.SIGTERM: 'SIGTERM', signal.SIGHUP: 'SIGHUP'}
 
 
-def _exit_on_sigterm(signum, frame) -> None:
+def _exit_on_signal(signum, frame) -> None:
   del frame
   sys.exit(128 + signum)  # unwinds like Ctrl-C, so the offload folder and temp files go too
 
 
 class StopWatch:
-  """Installs the main thread's SIGTERM handler and the watcher thread (call in the main thread,
-  before anything starts threads of its own). `kept` is said when the watcher ends the process:
-  what the user keeps (set once the run knows, e.g. a job's output)."""
+  """Installs the main thread's handlers of SIGTERM and SIGHUP (the terminal closed: without
+  one the process would die where it stands, leaving its offload folder for the next run to
+  remove; left ignored under nohup) and the watcher thread (call in the main thread, before
+  anything starts threads of its own). `kept` is said when the watcher ends the process: what
+  the user keeps (set once the run knows, e.g. a job's output)."""
 
   def __init__(self, grace_s: float = STOP_GRACE_S):
     self.grace_s = grace_s
     self.kept = ''
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
+      signal.signal(signal.SIGHUP, _exit_on_signal)
     read, write = os.pipe()
     for fd in read, write:
       fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)

@@ -18,6 +18,8 @@ PROGRAM = '''
 import ctypes, signal, sys, threading
 from flexjax.stopping import StopWatch
 signal.signal(signal.SIGINT, signal.default_int_handler)  # where started with it ignored
+if sys.argv[3:] == ['nohup']:
+  signal.signal(signal.SIGHUP, signal.SIG_IGN)
 stop = StopWatch(float(sys.argv[1]))
 stop.kept = '; what the run kept'
 mutex = ctypes.create_string_buffer(64)  # a default pthread mutex, zeroed
@@ -36,10 +38,13 @@ finally:
 '''
 
 
-def stopped(grace_s: float, how: str, *signals: int) -> tuple[int, str, str, float]:
-  """Runs PROGRAM, sends `signals` half a second apart once it is ready; returns its exit code,
-  stdout, stderr and the seconds from the first signal to its end."""
-  proc = subprocess.Popen([sys.executable, '-c', PROGRAM, str(grace_s), how],
+def stopped(grace_s: float, how: str, *signals: int,
+            nohup: bool = False) -> tuple[int, str, str, float]:
+  """Runs PROGRAM (as under nohup: SIGHUP ignored), sends `signals` half a second apart once it
+  is ready; returns its exit code, stdout, stderr and the seconds from the first signal to its
+  end."""
+  proc = subprocess.Popen([sys.executable, '-c', PROGRAM, str(grace_s), how,
+                           *(['nohup'] if nohup else [])],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   assert proc.stdout.readline() == 'ready\n'
   start = time.monotonic()
@@ -70,12 +75,22 @@ def test_a_second_ctrl_c_ends_a_stuck_process_at_once():
   assert seconds < 30  # not the grace time
 
 
-@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_process_that_unwinds_is_left_to_unwind(sig):
+  """SIGHUP (the terminal closed) unwinds as SIGTERM does."""
   code, out, err, seconds = stopped(1, 'clean', sig)
   assert 'unwound' in out
   assert 'flexjax: stopped' not in err
-  if sig == signal.SIGTERM:
-    assert code == 128 + signal.SIGTERM and not err
+  if sig != signal.SIGINT:
+    assert code == 128 + sig and not err
   else:  # KeyboardInterrupt's own exit
     assert 'KeyboardInterrupt' in err
+
+
+def test_sighup_stays_ignored_under_nohup():
+  """A SIGHUP ignored where the process started (nohup) is not answered: the process runs on,
+  until SIGTERM."""
+  code, out, err, seconds = stopped(1, 'clean', signal.SIGHUP, signal.SIGHUP, signal.SIGTERM,
+                                    nohup=True)
+  assert code == 128 + signal.SIGTERM and 'unwound' in out and not err
+  assert seconds >= 1  # the two SIGHUPs half a second apart changed nothing
