@@ -125,7 +125,7 @@ def supervise(process_id: int, n: int, args: list[str]) -> int:
                           stderr=log)
   try:
     code = proc.wait()
-  except KeyboardInterrupt:
+  except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, SIGHUP: the stage unwinds too
     _stop([proc])
     raise
   finally:
@@ -232,7 +232,7 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
     print(f'flexjax: error: pipeline stage {failed} of {n} failed: {reason}; the other stages '
           'were stopped', file=sys.stderr)
     return 2 if code == 2 else 1
-  except KeyboardInterrupt:
+  except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, SIGHUP: each stage unwinds too
     _stop(procs)
     raise
   finally:
