@@ -21,6 +21,7 @@ from absl import flags
 
 from flexjax import flags as flags_lib
 from flexjax import hardware
+from flexjax import scratch
 from flexjax.errors import FlexjaxError, flags_parser
 from flexjax.stopping import StopWatch
 
@@ -131,6 +132,8 @@ def supervise(process_id: int, n: int, args: list[str]) -> int:
   finally:
     if proc.poll() is None:
       proc.kill()
+      proc.wait()
+    _sweep_after_kills([proc])
   try:
     if code == 0:
       _forward(log)
@@ -239,8 +242,10 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
     for p in procs:
       if p.poll() is None:
         p.kill()
+        p.wait()
     for log in logs:
       log.close()
+    _sweep_after_kills(procs)
 
 
 def _own_failure(procs, failed: int) -> int:
@@ -264,6 +269,13 @@ def _stop(procs) -> None:
     except subprocess.TimeoutExpired:
       p.kill()
       p.wait()
+
+
+def _sweep_after_kills(procs) -> None:
+  """A stage killed (by a signal, or by _stop where its unwinding waited on the others in a
+  collective) left its offload folder: removed once no stage holds it, not by the next run."""
+  if any(p.returncode is not None and p.returncode < 0 for p in procs):
+    scratch.sweep(flags.FLAGS.offload_dir or tempfile.gettempdir(), report=False)
 
 
 def _lines(log) -> list[str]:

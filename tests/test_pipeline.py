@@ -135,10 +135,14 @@ def test_a_stage_over_its_budget_is_refused_before_any_stage_allocates(four_laye
 
 
 def test_a_killed_stage_stops_the_others(four_layers, tmp_path):
+  """With the KV cache on disk: the killed stage's offload folder, and the other's where it
+  is killed in turn while it waits on the first, are removed by the launcher."""
+  offload = tmp_path / 'offload'
   cmd = [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', '--weights=checkpoint',
          f'--checkpoint={four_layers}', '--prompt_len=8', '--gen_len=50', '--noprogress',
          '--stop_at_eos=false', '--num_prompts=64', '--gpu_batch_size=1',
-         '--num_gpu_batches=4']
+         '--num_gpu_batches=4', '--cache_gpu_percent=0', '--cache_cpu_percent=0',
+         f'--offload_dir={offload}']
   launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True)
   try:
@@ -149,7 +153,9 @@ def test_a_killed_stage_stops_the_others(four_layers, tmp_path):
                      if '--process_id=1' in _cmdline(pid)), None)
       time.sleep(0.2)
     assert stage1 is not None
-    time.sleep(4)  # starting, compiling or generating: any moment must do
+    while time.monotonic() < deadline and len(list(offload.glob('*'))) < 2:
+      time.sleep(0.1)  # both stages hold their cache: generating
+    assert len(list(offload.glob('*'))) == 2
     os.kill(stage1, signal.SIGKILL)
     killed = time.monotonic()
     _, err = launcher.communicate(timeout=60)
@@ -161,11 +167,13 @@ def test_a_killed_stage_stops_the_others(four_layers, tmp_path):
   lines = err.strip().splitlines()
   assert len(lines) == 1, err
   assert lines[0].startswith('flexjax: error: pipeline stage 1 of 2 failed: killed by signal 9')
+  assert not any(offload.iterdir())
 
 
 def test_across_hosts_a_killed_stage_stops_the_other_with_one_line(four_layers, tmp_path):
   """Each host's launcher runs its stage as a child: when the other host's stage dies, the
-  distributed runtime aborts this one, and its launcher says so in one line."""
+  distributed runtime aborts this one, and its launcher says so in one line. The killed stage's
+  offload folder (its KV cache) is removed by its host's launcher."""
   import socket
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
@@ -174,7 +182,8 @@ def test_across_hosts_a_killed_stage_stops_the_other_with_one_line(four_layers, 
       [sys.executable, '-m', 'flexjax.launch', '--num_processes=2', f'--process_id={i}',
        f'--coordinator=127.0.0.1:{port}', '--stage_timeout=20', '--weights=checkpoint',
        f'--checkpoint={four_layers}', '--prompt_len=8', '--gen_len=50', '--noprogress',
-       '--stop_at_eos=false', '--num_prompts=64', '--gpu_batch_size=1', '--num_gpu_batches=4'],
+       '--stop_at_eos=false', '--num_prompts=64', '--gpu_batch_size=1', '--num_gpu_batches=4',
+       '--cache_gpu_percent=0', '--cache_cpu_percent=0', f'--offload_dir={tmp_path / str(i)}'],
       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
   try:
     stage1 = None
@@ -183,7 +192,9 @@ def test_across_hosts_a_killed_stage_stops_the_other_with_one_line(four_layers, 
       stage1 = next(iter(_children(hosts[1].pid)), None)
       time.sleep(0.2)
     assert stage1 is not None and '--stage_process' in _cmdline(stage1)
-    time.sleep(4)
+    while time.monotonic() < deadline and not any((tmp_path / '1').glob('*')):
+      time.sleep(0.1)  # it holds its cache: generating
+    assert any((tmp_path / '1').glob('*'))
     os.kill(stage1, signal.SIGKILL)
     killed = time.monotonic()
     _, err0 = hosts[0].communicate(timeout=90)
@@ -197,6 +208,7 @@ def test_across_hosts_a_killed_stage_stops_the_other_with_one_line(four_layers, 
   lines = err0.strip().splitlines()
   assert hosts[0].returncode != 0 and len(lines) == 1, err0
   assert lines[0].startswith('flexjax: error: pipeline stage 0 of 2 stopped: '), lines[0]
+  assert not any((tmp_path / '1').iterdir())
 
 
 def test_stages_given_other_jobs_stop_with_one_line_before_any_row(four_layers, tmp_path):
