@@ -5,12 +5,12 @@ The signal is answered in the main thread: SIGTERM and SIGHUP exit, Ctrl-C raise
 KeyboardInterrupt, and the unwinding removes the run's folders (a job's synced rows stay). But
 Python runs signal handlers only between bytecodes of the main thread: a main thread waiting in
 native code on a step that never finishes (a hung XLA computation) never runs the handler, and
-an unwinding that waits on such a step never ends. So a watcher thread hears every signal too (through the wakeup
-descriptor the interpreter writes each caught signal's number to, from whatever thread the
-kernel interrupted) and ends the process itself when the main thread has not done so within the
-grace time, or at once on a second signal. Such an exit is what a `kill -9` leaves, which every
-run is built to survive: a job's output keeps its complete blocks (the rest is cut off on
-resume) and the next run removes the folders left behind (flexjax.scratch).
+an unwinding that waits on such a step never ends. So a watcher thread hears every signal too
+(through the wakeup descriptor the interpreter writes each caught signal's number to, from
+whatever thread the kernel interrupted) and ends the process itself when the main thread has not
+done so within the grace time, or at once on a second signal. Such an exit is what a `kill -9`
+leaves, which every run is built to survive: a job's output keeps its complete blocks (the rest
+is cut off on resume) and the next run removes the folders left behind (flexjax.scratch).
 """
 
 from __future__ import annotations
