@@ -13,13 +13,13 @@ import pytest
 # Python's own handler never runs. 'stuck' waits so, and its clean-up does too (as a run's waits
 # on its hung step), wherever the signal lands; 'clean' waits in Python (interruptible) and
 # unwinds at once. Ctrl-C is turned back on where the tests run with it ignored (a shell's
-# background jobs).
+# background jobs), SIGHUP where they run under nohup.
 PROGRAM = '''
 import ctypes, signal, sys, threading
 from flexjax.stopping import StopWatch
 signal.signal(signal.SIGINT, signal.default_int_handler)  # where started with it ignored
-if sys.argv[3:] == ['nohup']:
-  signal.signal(signal.SIGHUP, signal.SIG_IGN)
+# SIGHUP as a terminal's process has it, or as under nohup (the tests may run under nohup)
+signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[3:] == ['nohup'] else signal.SIG_DFL)
 stop = StopWatch(float(sys.argv[1]))
 stop.kept = '; what the run kept'
 mutex = ctypes.create_string_buffer(64)  # a default pthread mutex, zeroed
