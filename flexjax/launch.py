@@ -275,7 +275,7 @@ def _sweep_after_kills(procs) -> None:
   """A stage killed (by a signal, or by _stop where its unwinding waited on the others in a
   collective) left its offload folder: removed once no stage holds it, not by the next run."""
   if any(p.returncode is not None and p.returncode < 0 for p in procs):
-    scratch.sweep(flags.FLAGS.offload_dir or tempfile.gettempdir(), report=False)
+    scratch.sweep(scratch.offload_parent(flags.FLAGS.offload_dir), report=False)
 
 
 def _lines(log) -> list[str]:

@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +244,7 @@ def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
     if budgets.get('host') is None and device.platform != 'cpu':
       budgets['host'] = meminfo_bytes('MemAvailable')
     if budgets.get('disk') is None:
-      budgets['disk'] = shutil.disk_usage(rc.offload_dir or tempfile.gettempdir()).free
+      budgets['disk'] = shutil.disk_usage(scratch.offload_parent(rc.offload_dir)).free
   return budgets
 
 
@@ -367,7 +366,7 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
   compute_dtype = rc.compute_dtype or hardware.default_compute_dtype(device.platform)
   watch = MemoryWatch.start(device)  # the idle process, before anything is planned
   # what killed runs left in the offload folder goes before the free disk is measured
-  scratch.sweep(rc.offload_dir or tempfile.gettempdir())
+  scratch.sweep(scratch.offload_parent(rc.offload_dir))
   budgets = detected_budgets(rc, device)
   profile = resolve_profile(rc.hw_profile, device, measure_if_missing=False,
                             scratch_dir=rc.offload_dir)

@@ -123,6 +123,12 @@ def _own(path: Path) -> int | None:
   return fd
 
 
+def offload_parent(offload_dir: str | os.PathLike | None) -> Path:
+  """The folder a run's offload folder is made in (and swept, and its free disk measured):
+  --offload_dir, else the system temp folder."""
+  return Path(offload_dir) if offload_dir else Path(tempfile.gettempdir())
+
+
 def sweep(parent: str | os.PathLike, *, report: bool = True) -> list[Removed]:
   """Removes every folder in `parent` whose owner file no live process holds; returns them."""
   parent = Path(parent)

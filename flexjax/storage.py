@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -237,7 +236,7 @@ class Storage:
     self._capacities = capacities
     self.pools: dict[str, TierAccount] = {}
     self.drop_page_cache = drop_page_cache
-    self._offload_parent = Path(offload_dir) if offload_dir else None
+    self._offload_parent = scratch.offload_parent(offload_dir)
     self._run_dir: scratch.Claim | None = None
     self._files = 0
     self._lock = threading.Lock()
@@ -266,8 +265,7 @@ class Storage:
     killed run left in the same parent is removed first: flexjax.scratch)."""
     with self._lock:
       if self._run_dir is None:
-        parent = self._offload_parent or Path(tempfile.gettempdir())
-        self._run_dir = scratch.claim(parent, 'flexjax-offload-')
+        self._run_dir = scratch.claim(self._offload_parent, 'flexjax-offload-')
       return self._run_dir.path
 
   def peaks(self) -> dict[str, int]:

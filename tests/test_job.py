@@ -191,16 +191,17 @@ main.entry(grace_s={grace_s})
 def run_killed(cmd: list[str], out: Path, after_lines: int | None,
                sig: int = signal.SIGKILL, stuck: bool = False) -> bool:
   """Starts the job and sends it `sig` (kill -9) once the output has after_lines lines (None: as
-  soon as its progress file exists), or once it is stuck in a step (`stuck`: SIGTERM, which it
-  answers after its grace time). Returns whether it was stopped before finishing."""
+  soon as its progress file exists), or, `stuck`, once it is stuck in a step after that many
+  (then SIGTERM, which it answers after its grace time). Returns whether it was stopped before finishing."""
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   marker = out.with_name(out.name + '.progress')
   # Ctrl-C goes to a fresh job once it has made its progress file: its handler is in place, and
   # all of the job is still to run (a signal sent near the end can land as the process exits)
   assert sig != signal.SIGINT or (after_lines is None and not marker.exists())
   hung = out.with_name(out.name + '.stuck')
+  assert not stuck or sig == signal.SIGTERM
   if stuck:
-    cmd, sig = stuck_after(cmd, out, after_lines, grace_s=2), signal.SIGTERM
+    cmd = stuck_after(cmd, out, after_lines, grace_s=2)
   proc = subprocess.Popen(interruptible(cmd) if sig == signal.SIGINT else cmd, env=env, cwd=REPO,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 240
@@ -248,8 +249,9 @@ def test_kill_9_at_any_point_loses_and_repeats_no_row(pre_ln, tmp_path):
   kills = 0
   # Ctrl-C at start-up; stuck mid-job (the bad rows written first), then SIGTERM; kill -9 near
   # the end
-  for after, sig in ((None, signal.SIGINT), (4, None), (8, signal.SIGKILL)):
-    killed = run_killed(cmd, out, after, sig or signal.SIGKILL, stuck=sig is None)
+  for after, sig, stuck in ((None, signal.SIGINT, False), (4, signal.SIGTERM, True),
+                            (8, signal.SIGKILL, False)):
+    killed = run_killed(cmd, out, after, sig, stuck)
     kills += killed
     if out.exists():  # what a killed run left is whole lines only up to its progress record
       state = json.loads(out.with_name('out.jsonl.progress').read_text())
