@@ -191,6 +191,8 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
   _one_line_error(run_cli('--max_block_size=0', '--policy=auto'), '--max_block_size=0')
   _one_line_error(run_cli('--max_block_seconds=-1', '--policy=auto'), '--max_block_seconds=-1')
   _one_line_error(run_cli('--dummy_seed=-5'), '--dummy_seed=-5')
+  _one_line_error(run_cli(f'--flagfile={tmp_path / "none.flags"}'),
+                  f"--flagfile='{tmp_path / 'none.flags'}' cannot be read", 'configs/opt125m.flags')
   tool = subprocess.run([sys.executable, '-m', 'tools.memcheck', '--random=two'],
                         capture_output=True, text=True, cwd=REPO, timeout=120)
   _one_line_error(tool, 'memcheck: error:', '--random', "'two'")
