@@ -326,7 +326,8 @@ class ModelConfig:
       with open(path) as f:
         hf = json.load(f)
     except FileNotFoundError:
-      raise FlexjaxError(f'config file {str(path)!r} does not exist') from None
+      raise FlexjaxError(f'config file {str(path)!r} does not exist; give the folder of a Hugging '
+                         'Face checkpoint (config.json beside its weight files)') from None
     except json.JSONDecodeError as e:
       raise FlexjaxError(f'config file {str(path)!r} is not valid JSON ({e.msg}, line {e.lineno})'
                          ) from None

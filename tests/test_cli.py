@@ -196,6 +196,11 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
   tool = subprocess.run([sys.executable, '-m', 'tools.memcheck', '--random=two'],
                         capture_output=True, text=True, cwd=REPO, timeout=120)
   _one_line_error(tool, 'memcheck: error:', '--random', "'two'")
+  for args, needles in ((['tools.memcheck', '--only=all_device,nope'], ["'nope'", 'choose from']),
+                        (['tools.roofline', '--file_gib=0'], ['--file_gib=0'])):
+    tool = subprocess.run([sys.executable, '-m', *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    _one_line_error(tool, *needles)
 
 
 def test_inputs_of_the_wrong_kind_are_one_line_errors(pre_ln, tmp_path):

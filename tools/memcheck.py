@@ -98,6 +98,11 @@ def define_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer('random', 0, 'Run this many policies drawn at random (random_case) '
                        'instead of the named cases.', flag_values=fv)
   flags.DEFINE_integer('seed', 0, 'Seed of --random.', flag_values=fv)
+  known = list(CASES) + list(JOB_CASES)
+  flags.register_validator(
+      'only', lambda names: not names or set(names) <= set(known),
+      message=f'names a case memcheck does not have; choose from {", ".join(known)}',
+      flag_values=fv)
   flags.DEFINE_bool('overhead', False, 'Measure the CPU runtime overhead instead.',
                     flag_values=fv)
   flags.DEFINE_bool('t4', False, 'Print the T4 table instead: the searched and the paper\'s '
@@ -255,10 +260,6 @@ def main(argv) -> None:
   cases = ([(f'random{fv.seed}-{i}', *random_case(rng)) for i in range(fv.random)]
            if fv.random else
            [(name, (), None) for name in fv.only or list(CASES) + list(JOB_CASES)])
-  known = list(CASES) + list(JOB_CASES)
-  unknown = [n for n, _, _ in cases if n not in known and not fv.random]
-  if unknown:
-    raise app.UsageError(f'unknown cases {unknown}; choose from {", ".join(known)}')
   rows = []
   for name, extra, job in cases:
     try:

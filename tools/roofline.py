@@ -457,9 +457,10 @@ def define_flags(fv) -> None:
   flags.DEFINE_string('folder', None, 'Folder on the disk to probe (the offload folder; default: '
                       'the system temp folder).', **f)
   flags.DEFINE_float('file_gib', 1.0, 'Size of the disk probe file in GiB (>= 1 for a real '
-                     'disk number).', **f)
-  flags.DEFINE_integer('threads', 4, 'Reader threads of the disk probe.', **f)
-  flags.DEFINE_integer('chunk_mib', 16, 'Bytes per read call of the disk probe, in MiB.', **f)
+                     'disk number).', lower_bound=1 / 1024, **f)
+  flags.DEFINE_integer('threads', 4, 'Reader threads of the disk probe.', lower_bound=1, **f)
+  flags.DEFINE_integer('chunk_mib', 16, 'Bytes per read call of the disk probe, in MiB.',
+                       lower_bound=1, **f)
   flags.DEFINE_list('dtypes', ['float32'], 'Compute dtypes whose matmul rate to measure.', **f)
   flags.DEFINE_bool('torch', False, 'Also time the matmuls in torch (the peers\' framework).', **f)
   flags.DEFINE_string('output', None, 'Also write the rates as JSON to this file.', **f)
