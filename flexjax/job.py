@@ -183,8 +183,9 @@ def _row(record, line: int, row_id, cfg: ModelConfig, tokenizer: Tokenizer | Non
 def _number(record: dict, key: str, default, kind):
   value = record.get(key, default)
   if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-    raise FlexjaxError(f'"{key}" is {value!r}; it must be a number' +
-                       (' (an integer)' if kind is int else ''))
+    raise FlexjaxError(f'"{key}" is {value!r}; it must be ' +
+                       ('an integer, written without a decimal point or exponent'
+                        if kind is int else 'a number'))
   return kind(value)
 
 

@@ -107,17 +107,19 @@ def test_bad_rows_are_written_with_their_error_and_the_job_goes_on(pre_ln, tmp_p
           {'id': 'typo', 'tokens': [2, 5], 'max_tokens': 3},
           {'id': 'ok', 'tokens': [2, 5]},
           {'id': 'seed', 'tokens': [2, 5], 'seed': -4},
-          {'id': 'nan', 'tokens': [2, 5], 'temperature': float('nan')}]  # json writes NaN
+          {'id': 'nan', 'tokens': [2, 5], 'temperature': float('nan')},  # json writes NaN
+          {'id': 'float', 'tokens': [2, 5], 'max_new_tokens': 8.0}]
   report, got = run_job(pre_ln.ckpt_dir, tmp_path, write_rows(tmp_path / 'r.jsonl', rows))
-  assert report['rows'] == 13 and report['bad_rows'] == 12 and report['rows_generated'] == 1
+  assert report['rows'] == 14 and report['bad_rows'] == 13 and report['rows_generated'] == 1
   assert got['ok']['error'] is None and len(got['ok']['output_tokens']) == 2
   errors = {key: r['error'] for key, r in got.items() if key != 'ok'}
-  assert len(errors) == 11  # the repeated id 'ok' is reported under its id, after the first
+  assert len(errors) == 12  # the repeated id 'ok' is reported under its id, after the first
   expected = {2: 'not JSON', 'empty': '"prompt" must be a non-empty string',
               'none': 'exactly one of "prompt"', 'long': 'positions but',
               'hot': '"temperature"', 'p': '"top_p"', 'n': '"max_new_tokens" is 0',
               'vocab': '[0, 1000)', 'typo': "unknown field 'max_tokens'", 'seed': '"seed" is -4',
-              'nan': '"temperature" nan must be a finite number'}
+              'nan': '"temperature" nan must be a finite number',
+              'float': '"max_new_tokens" is 8.0; it must be an integer, written without'}
   for key, needle in expected.items():
     assert needle in errors[key], (key, errors[key])
   lines = (tmp_path / 'out.jsonl').read_text().splitlines()
