@@ -147,3 +147,28 @@ def test_decode_attention_equals_the_reference(kv_heads, t, standalone):
     np.testing.assert_allclose(got.astype(np.float32), attend(*(x.astype(np.float32)
                                                                for x in half)),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_the_query_kept_apart_for_the_scores_is_unchanged(dtype):
+  """attention._computed_once passes q through a product with each head's identity: every
+  normal value comes back bit for bit (the largest, the smallest, signs, zero), in every compute
+  dtype; a subnormal one as itself or zero, as the backend's arithmetic flushes it anyway
+  (XLA:CPU: q * 1.5 gives zero too), so the scores are the same either way."""
+  from flexjax.config import ModelConfig
+  from flexjax.model import attention
+  cfg = ModelConfig(name='t', family='opt', num_layers=1, hidden_size=64, num_heads=4, ffn_dim=64,
+                    vocab_size=100, max_positions=64)
+  info = jnp.finfo(dtype)
+  special = np.array([float(info.max), -float(info.max), float(info.tiny), -float(info.tiny),
+                      float(info.tiny) / 4, -float(info.tiny) / 2, 1.0, -1.0, 0.0], np.float32)
+  q = np.random.default_rng(0).standard_normal((3, cfg.q_dim)).astype(np.float32) * 100
+  q[1, :special.size] = special
+  q = jnp.asarray(q).astype(dtype)
+  got = jax.jit(attention._computed_once, static_argnames='cfg')(q, cfg=cfg)
+  assert got.dtype == q.dtype
+  got, want = (np.asarray(a.astype(jnp.float32)) for a in (got, q))
+  subnormal = (want != 0) & (np.abs(want) < float(info.tiny))
+  assert subnormal.sum() == 2
+  np.testing.assert_array_equal(got[~subnormal], want[~subnormal])
+  assert np.all((got[subnormal] == 0) | (got[subnormal] == want[subnormal]))

@@ -122,6 +122,8 @@ def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: Model
   new token last. q [b, q_dim]; k_new [b, kv_dim]; k_cache [b, t, kv_dim], all in q's dtype.
   standalone: the attention is a program of its own (CPU attention), not part of a layer step:
   see _halving_form."""
+  if _halving_form(cfg, standalone) and not standalone:
+    q = _computed_once(q, cfg)
   qg = groups(q, cfg)  # [b, kv, g, d]
   kc = heads(k_cache, cfg.kv_heads, cfg)  # [b, t, kv, d]
   kn = heads(k_new, cfg.kv_heads, cfg)  # [b, kv, d]
@@ -135,6 +137,19 @@ def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: Model
     new = jnp.einsum('bkgd,bkd->bkg', qg, kn)[:, None]
   scores = jnp.concatenate([past, new], axis=1)  # [b, t + 1, kv, g]
   return scores.reshape(*scores.shape[:2], cfg.num_heads)
+
+
+def _computed_once(q: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """q [b, q_dim] as it is, through a product with the identity of each head: XLA keeps a
+  product's operand apart, where inside a layer step it folded the ops that make q (the
+  product's transposed output, the bias, the rotation's sines and cosines, the scaling) into
+  the scores, computing them again for every cached position (16 rows x 544 positions: a
+  llama-2-7b decode layer step 182 -> 67 ms, opt-1.3b 27 -> 22 ms). Exact: each output is one
+  value times one plus zeros (HIGHEST: no reduced-precision products on a GPU); a subnormal
+  value may come back as zero, as the scores' own arithmetic flushes it."""
+  eye = jnp.eye(cfg.head_dim, dtype=q.dtype)
+  return jnp.einsum('bhd,de->bhe', heads(q, cfg.num_heads, cfg), eye,
+                    precision=jax.lax.Precision.HIGHEST).reshape(q.shape)
 
 
 def _halving_form(cfg: ModelConfig, standalone: bool) -> bool:
