@@ -120,21 +120,23 @@ def decode_scores(q: jax.Array, k_new: jax.Array, k_cache: jax.Array, cfg: Model
                   standalone: bool = False):
   """Scores of one new query per sequence over its cache and itself: [b, t + 1, num_heads], the
   new token last. q [b, q_dim]; k_new [b, kv_dim]; k_cache [b, t, kv_dim], all in q's dtype.
-  standalone: the attention is a program of its own (CPU attention), not part of a layer step:
-  see _halving_form."""
-  if _halving_form(cfg, standalone) and not standalone:
+  standalone: the attention is a program of its own (CPU attention), not part of a layer step,
+  so q is already one of its inputs (else _computed_once).
+
+  With one query per sequence these are matrix-vector products: XLA:CPU runs them fastest as
+  products summed by halving the head axis (10x a batched matmul or a reduce over it), with a
+  group of queries per KV head too (the group axis broadcast) now that the query is computed
+  once: a decode layer step against batched products (einsum) at 16 rows x 544 positions,
+  SmolLM2 (3 queries per KV head) 2.70 against 4.27 ms, llama-3-8b (4) 64.3 against 86.1,
+  mistral-7b 65.2 against 89.5; 64 x 544 SmolLM2 10.1 against 27.2; no slower at any size
+  measured (1-64 rows, 160 and 544 positions)."""
+  if not standalone:
     q = _computed_once(q, cfg)
   qg = groups(q, cfg)  # [b, kv, g, d]
   kc = heads(k_cache, cfg.kv_heads, cfg)  # [b, t, kv, d]
   kn = heads(k_new, cfg.kv_heads, cfg)  # [b, kv, d]
-  if _halving_form(cfg, standalone):
-    # With one query per sequence these are matrix-vector products: XLA:CPU runs them fastest
-    # as products summed by halving the head axis (10x a batched matmul or a reduce over it).
-    past = sum_last(qg[:, None] * kc[:, :, :, None])  # [b, t, kv, g]
-    new = sum_last(qg * kn[:, :, None])[:, None]
-  else:
-    past = jnp.einsum('bkgd,btkd->btkg', qg, kc)
-    new = jnp.einsum('bkgd,bkd->bkg', qg, kn)[:, None]
+  past = sum_last(qg[:, None] * kc[:, :, :, None])  # [b, t, kv, g]
+  new = sum_last(qg * kn[:, :, None])[:, None]
   scores = jnp.concatenate([past, new], axis=1)  # [b, t + 1, kv, g]
   return scores.reshape(*scores.shape[:2], cfg.num_heads)
 
@@ -144,24 +146,12 @@ def _computed_once(q: jax.Array, cfg: ModelConfig) -> jax.Array:
   product's operand apart, where inside a layer step it folded the ops that make q (the
   product's transposed output, the bias, the rotation's sines and cosines, the scaling) into
   the scores, computing them again for every cached position (16 rows x 544 positions: a
-  llama-2-7b decode layer step 182 -> 67 ms, opt-1.3b 27 -> 22 ms). Exact: each output is one
+  llama-2-7b decode layer step 172 -> 69 ms, opt-1.3b 27 -> 21 ms). Exact: each output is one
   value times one plus zeros (HIGHEST: no reduced-precision products on a GPU); a subnormal
   value may come back as zero, as the scores' own arithmetic flushes it."""
   eye = jnp.eye(cfg.head_dim, dtype=q.dtype)
   return jnp.einsum('bhd,de->bhe', heads(q, cfg.num_heads, cfg), eye,
                     precision=jax.lax.Precision.HIGHEST).reshape(q.shape)
-
-
-def _halving_form(cfg: ModelConfig, standalone: bool) -> bool:
-  """Whether decode attention sums products by halving (else batched products, einsum).
-
-  Measured on XLA:CPU (tools/layer_bench.py, SmolLM2: 3 KV heads of 3 queries each): with one
-  query per KV head the halving form is the fastest everywhere. With a group of queries per KV
-  head it is too on its own (32 rows, 159 positions: 0.7 against 1.6 ms), but compiled into a
-  layer step with the products around it the step ran 1.6-3x slower than with batched products
-  (9.3 against 4.4 ms; 28.8 against 17.5 ms at 544 positions; with the values summed by
-  sum_positions still 9.2 against 4.7 ms, 26.0 against 9.9 ms at 544 positions)."""
-  return cfg.num_heads == cfg.kv_heads or standalone
 
 
 def sum_last(x: jax.Array) -> jax.Array:
@@ -209,22 +199,18 @@ def sum_positions(x: jax.Array, axis: int) -> jax.Array:
   return out
 
 
-def weighted_values(probs: jax.Array, v_rows: jax.Array, v_new: jax.Array, cfg: ModelConfig,
-                    standalone: bool = False):
+def weighted_values(probs: jax.Array, v_rows: jax.Array, v_new: jax.Array, cfg: ModelConfig):
   """probs [b, t + 1, num_heads] over v_rows [b, t, kv_dim] and the new v [b, kv_dim]
-  -> [b, q_dim]. standalone: as decode_scores'."""
+  -> [b, q_dim]: products summed over the positions (sum_positions), a group of queries per KV
+  head as a broadcast axis."""
   b, g = probs.shape[0], cfg.num_heads // cfg.kv_heads
   vc = heads(v_rows, cfg.kv_heads, cfg)  # [b, t, kv, d]
   vn = heads(v_new, cfg.kv_heads, cfg)  # [b, kv, d]
   if g == 1:
     past = sum_positions(probs[:, :-1, :, None] * vc, axis=1)  # [b, kv, d]
     return (past + probs[:, -1, :, None] * vn).reshape(b, cfg.q_dim)
-  if _halving_form(cfg, standalone):  # the group axis broadcast, positions summed
-    pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)[..., None]  # [b, t + 1, kv, g, 1]
-    out = sum_positions(pg[:, :-1] * vc[:, :, :, None], axis=1) + pg[:, -1] * vn[:, :, None]
-    return out.reshape(b, cfg.q_dim)
-  pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)  # [b, t + 1, kv, g]
-  out = jnp.einsum('btkg,btkd->bkgd', pg[:, :-1], vc) + pg[:, -1, ..., None] * vn[:, :, None]
+  pg = probs.reshape(*probs.shape[:2], cfg.kv_heads, g)[..., None]  # [b, t + 1, kv, g, 1]
+  out = sum_positions(pg[:, :-1] * vc[:, :, :, None], axis=1) + pg[:, -1] * vn[:, :, None]
   return out.reshape(b, cfg.q_dim)
 
 
@@ -239,14 +225,14 @@ def attend_decode(q, k_new, v_new, k_cache, v_cache, cache_mask, *, cfg: ModelCo
   concatenated with the new entry (no copy of the cache): the new key's scores are appended to
   the cached ones and its value added to the weighted sum. q [b, q_dim]; k_new, v_new
   [b, kv_dim]; caches [b, t, kv_dim]; cache_mask [b, t] bool. Returns [b, q_dim] in q's dtype.
-  standalone: the attention is a program of its own on the CPU backend (CPU attention), see
-  _halving_form; it computes in `attend_dtype`."""
+  standalone: the attention is a program of its own on the CPU backend (CPU attention); it
+  computes in `attend_dtype`."""
   dtype = attend_dtype(q.dtype, standalone)
   scores = decode_scores(q.astype(dtype), k_new.astype(dtype), k_cache.astype(dtype), cfg,
                          standalone)
   probs = masked_softmax(scores, _with_new(cache_mask)[:, :, None], axis=1).astype(dtype)
-  return weighted_values(probs, v_cache.astype(dtype), v_new.astype(dtype), cfg,
-                         standalone).astype(q.dtype)
+  return weighted_values(probs, v_cache.astype(dtype), v_new.astype(dtype),
+                         cfg).astype(q.dtype)
 
 
 def attend_dtype(dtype, standalone: bool):
