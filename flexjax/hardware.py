@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -159,7 +158,7 @@ def machine_key(device, scratch_dir: str | None) -> dict[str, object]:
   import importlib.metadata
   import jax
   model, flags = cpu_info()
-  folder = Path(scratch_dir or tempfile.gettempdir()).absolute()
+  folder = scratch.offload_parent(scratch_dir).absolute()
   while not folder.exists() and folder != folder.parent:  # made later, on its parent's disk
     folder = folder.parent
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
@@ -520,7 +519,7 @@ def _disk_overlap(compute, data: np.ndarray, scratch_dir: str | None) -> float:
   """Share of the shorter of an O_DIRECT file read and a run of `compute` calls (decode-sized
   products, as long as the read) hidden when the two run at once on two threads."""
   import threading
-  with scratch.claim(scratch_dir or tempfile.gettempdir(), 'flexjax-overlap-') as folder:
+  with scratch.claim(scratch.offload_parent(scratch_dir), 'flexjax-overlap-') as folder:
     path = folder.path / 'probe.bin'
     with open(path, 'wb') as f:
       data.tofile(f)
@@ -556,7 +555,7 @@ def _disk_overlap(compute, data: np.ndarray, scratch_dir: str | None) -> float:
 
 def _disk_rates(data: np.ndarray, scratch_dir: str | None) -> tuple[float, float]:
   """(read, write) bytes/s of a file, with the page cache dropped before reading."""
-  with scratch.claim(scratch_dir or tempfile.gettempdir(), 'flexjax-profile-') as folder:
+  with scratch.claim(scratch.offload_parent(scratch_dir), 'flexjax-profile-') as folder:
     path = folder.path / 'probe.bin'
     start = time.perf_counter()
     with open(path, 'wb') as f:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -184,7 +183,7 @@ def run_accelerate(cfg: ModelConfig, *, batch_size: int, prompt_len: int, gen_le
   if dtype not in TORCH_DTYPES:
     raise FlexjaxError(f'dtype={dtype!r} is not one of {TORCH_DTYPES}')
   checkpoint = export_dummy_checkpoint(cfg, checkpoint_dir, dtype=checkpoint_dtype)
-  owned = scratch.claim(offload_dir or tempfile.gettempdir(), 'accelerate-offload-')
+  owned = scratch.claim(scratch.offload_parent(offload_dir), 'accelerate-offload-')
   offload = owned.path
   try:
     model = AutoModelForCausalLM.from_pretrained(

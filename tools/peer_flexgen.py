@@ -341,14 +341,14 @@ def main(argv) -> int:
     if fv.dry_run:
       print(shlex.join(flexgen_command(
           fv.model, policy, prompt_len=fv.prompt_len, gen_len=fv.gen_len,
-          cut_gen_len=fv.projected_gen_len, offload_dir=fv.offload_dir or tempfile.gettempdir(),
+          cut_gen_len=fv.projected_gen_len, offload_dir=str(scratch.offload_parent(fv.offload_dir)),
           log_file='flexgen.log')))
       return 0
     if not fv.output:
       raise FlexjaxError('--output is required to run; e.g. --output=bench_results/flexgen.jsonl')
     record = run_flexgen(fv.model, policy, prompt_len=fv.prompt_len, gen_len=fv.gen_len,
                          projected_gen_len=fv.projected_gen_len,
-                         offload_dir=fv.offload_dir or tempfile.gettempdir(),
+                         offload_dir=str(scratch.offload_parent(fv.offload_dir)),
                          timeout_s=fv.timeout_s)
     with jsonl_appender(fv.output) as emit:
       emit({'tool': 'peer_flexgen', **record, 'commit': git_commit(), 'versions': versions(),

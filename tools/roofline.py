@@ -38,7 +38,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -187,7 +186,7 @@ def disk_bandwidth(folder: str | None = None, *, file_bytes: int = 2**30,
                    chunk_bytes: int = 16 * 2**20, threads: int = 4) -> DiskProbe:
   """Write and cold-read bandwidth of a file of file_bytes in `folder` (default: the temp
   folder), read with O_DIRECT where the file system allows it. The file is removed after."""
-  folder = folder or tempfile.gettempdir()
+  folder = str(scratch.offload_parent(folder))
   if chunk_bytes % ALIGN or chunk_bytes <= 0:
     raise FlexjaxError(f'chunk_bytes={chunk_bytes} must be a positive multiple of {ALIGN}')
   file_bytes = file_bytes // ALIGN * ALIGN

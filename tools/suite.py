@@ -62,6 +62,7 @@ from absl import flags
 
 from flexjax import config as config_lib
 from flexjax import plan as plan_lib
+from flexjax import scratch
 from flexjax.engine import BREAKDOWN_PARTS
 from flexjax.errors import FlexjaxError
 from flexjax.policy import Policy
@@ -270,7 +271,7 @@ def _itemsizes(case: dict[str, Any]) -> plan_lib.Itemsizes:
 
 def _free_disk(folder: str | None) -> int:
   import shutil
-  return shutil.disk_usage(folder or tempfile.gettempdir()).free
+  return shutil.disk_usage(scratch.offload_parent(folder)).free
 
 
 def _run_flexjax(cfg, case) -> dict[str, Any]:
@@ -327,7 +328,7 @@ def _run_flexgen(cfg, case) -> dict[str, Any]:
   out = peer_flexgen.run_flexgen(
       cfg.name, policy, prompt_len=case['prompt_len'], gen_len=case['gen_len'],
       projected_gen_len=case['projected_gen_len'],
-      offload_dir=case['offload_dir'] or tempfile.gettempdir())
+      offload_dir=str(scratch.offload_parent(case['offload_dir'])))
   return {**out, 'peak_bytes': {'device': out['gpu_peak_bytes']}}
 
 
