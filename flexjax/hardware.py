@@ -431,6 +431,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
       # compiled as a prompt step of that many rows is (oneDNN's products where `library`)
       f = jax.jit(functools.partial(linear.dense, dtype=compute)).lower(a, weights[0]).compile(
           linear.library_options() if library else None)
+      programs.append(f)  # freed once the later parts are done (linear.library_options)
       f(a, weights[0]).block_until_ready()
       seconds = best_seconds(lambda: over_all(f, a, weights), min_total=0.5)
       bar.update(1)
@@ -480,6 +481,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
     memwatch.return_free_memory()
     return out
 
+  programs = []
   with bar:
     ctog, gtoc, dtoc, ctod, overlap = part(transfers_and_disk)
     mm, xla_mm = part(matmul_rates)
@@ -489,6 +491,7 @@ def measure(device=None, *, scratch_dir: str | None = None, size_mb: int = 256,
     overhead = part(step_overhead)
     bar.update(1)
   jax.clear_caches()  # the probes' programs: the run compiles its own
+  programs.clear()
   memwatch.return_free_memory()
   return HardwareProfile(name=f'{device.platform}:{device.device_kind}', ctog_bw=ctog,
                          gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod, mm_flops=mm, bmm_flops=bmm,

@@ -72,12 +72,14 @@ def _grow_and_time(run_at: Callable[[int], Callable[[], Any]], *, start_n: int =
     n = min(max_n, -(-int(n * grow) // 256) * 256)
 
 
-def jax_matmul_rate(dtype: str, *, device=None, **grow) -> tuple[float, int]:
+def jax_matmul_rate(dtype: str, *, programs: list, device=None, **grow) -> tuple[float, int]:
   """(FLOP/s, n) of a square matmul in `dtype` on the jax device, as the engine computes its
   products (linear.dense: 16-bit products summed in float32; XLA:CPU's bfloat16 products that
   round as they sum ran at less than half that rate, below what the engine's prompt steps
   reach). Where the engine compiles long prompt steps with oneDNN's products
-  (linear.in_library: float32 on a CPU backend), the faster of XLA's own and oneDNN's."""
+  (linear.in_library: float32 on a CPU backend), the faster of XLA's own and oneDNN's.
+  The compiled programs are appended to `programs`, which the caller keeps until later work is
+  done (linear.library_options: a oneDNN program freed right after its run can abort)."""
   import functools
 
   import jax
@@ -86,12 +88,14 @@ def jax_matmul_rate(dtype: str, *, device=None, **grow) -> tuple[float, int]:
   from flexjax.model import linear
   device = device or jax.devices()[0]
   f = jax.jit(functools.partial(linear.dense, dtype=jnp.dtype(dtype)))
+  programs.append(f)
 
   def run_at(n, options=None):
     keys = jax.random.split(jax.random.PRNGKey(0))
     a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device)
             for k in keys)
     compiled = f.lower(a, b).compile(options)
+    programs.append(compiled)
     return lambda: compiled(a, b).block_until_ready()
 
   rates = [_grow_and_time(run_at, **grow)]
@@ -241,8 +245,9 @@ def measure_rates(*, folder: str | None = None, dtypes=('float32',), torch: bool
   start = time.perf_counter()
   flops: dict[str, dict[str, float]] = {}
   sizes: dict[str, dict[str, int]] = {}
+  programs: list = []  # freed after the probes below (jax_matmul_rate)
   for dtype in dtypes:
-    rate, n = jax_matmul_rate(dtype, device=device, max_n=matmul_max_n)
+    rate, n = jax_matmul_rate(dtype, programs=programs, device=device, max_n=matmul_max_n)
     flops[dtype], sizes[dtype] = {'jax': rate}, {'jax': n}
     log(f'matmul {dtype} jax: {rate / 1e9:.1f} GFLOP/s at n={n}')
     if torch:
@@ -257,6 +262,7 @@ def measure_rates(*, folder: str | None = None, dtypes=('float32',), torch: bool
   disk = disk_bandwidth(folder, file_bytes=file_bytes, chunk_bytes=chunk_bytes, threads=threads)
   log(f'disk read: {disk.read_bw / 1e9:.2f} GB/s (o_direct={disk.o_direct}), '
       f'write + fsync: {disk.write_bw / 1e9:.2f} GB/s in {disk.folder}')
+  programs.clear()
   return {'device': f'{device.platform}:{device.device_kind}', 'matmul_flops': flops,
           'matmul_n': sizes, 'host_device_bw': copy_bw, 'host_device_method': method,
           'device_memory_bw': memory_bw,

@@ -68,7 +68,14 @@ def library_options() -> dict[str, object]:
   """XLA:CPU's compiler options for programs of LIBRARY_ROWS product rows or more: matrix
   products through oneDNN (on the AVX-512 CPU, an opt-1.3b prefill layer of 8 x 512 1929 ->
   1706 ms, 32 x 512 7981 -> 6534 ms). oneDNN packs the matrix a product reads for as long as
-  the product runs: flexjax/library_scratch.py counts it."""
+  the product runs: flexjax/library_scratch.py counts it.
+
+  A program compiled with them must outlive its last run by more than that run: XLA:CPU
+  returns a oneDNN fusion's runtime to the program's pool after the run's results are ready,
+  and a program freed in between aborts the process (`Check failed: available_.size() ==
+  num_created_`; a probe that freed its program as it returned: 1 in 8 runs with two busy
+  loops beside it). The engine's steps live as long as its run; the measuring probes keep
+  theirs until their later parts are done (hardware.measure, tools/roofline.py)."""
   return {'xla_cpu_use_onednn': True,
           'xla_cpu_experimental_onednn_fusion_type': 'LIBRARY_FUSION_TYPE_DOT'}
 
