@@ -14,7 +14,8 @@ TINY = ModelConfig(name='tiny-layer', num_layers=1, hidden_size=64, num_heads=4,
 
 
 def test_every_case_is_timed_per_rows_and_positions():
-  records = layer_bench.measure(TINY, rows=[1, 3], positions=[5, 9], prompt_lens=[7], repeats=1)
+  records = layer_bench.measure(TINY, rows=[1, 3], positions=[5, 9], prompt_lens=[7], programs=[],
+                               repeats=1)
   cases = [(r['case'], r['rows'], r['positions']) for r in records]
   assert cases == [(case, b, t) for b in (1, 3) for case, t in (
       ('decode_attention', 5), ('decode_layer', 5), ('decode_attention', 9), ('decode_layer', 9),

@@ -31,8 +31,10 @@ def best_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int],
-            repeats: int = 5) -> list[dict[str, Any]]:
-  """Records of every timed case (see the module doc)."""
+            programs: list, repeats: int = 5) -> list[dict[str, Any]]:
+  """Records of every timed case (see the module doc). The steps are appended to `programs`,
+  which the caller frees after its later work (flexjax.model.linear.library_options: a oneDNN
+  program freed right after its run can abort)."""
   import jax
 
   from flexjax.cost_model import layer_matmul_params
@@ -44,6 +46,7 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
   put = lambda shape, dtype=np.float32: jax.device_put(
       rng.standard_normal(shape).astype(dtype), device)
   steps, layer = one_layer(cfg, device=device)
+  programs.append(steps)
   attend = jax.jit(functools.partial(attention.attend_decode, cfg=cfg))
   prefill = jax.jit(functools.partial(attention.prefill_attend, cfg=cfg))
   mm_flops = 2 * layer_matmul_params(cfg)
@@ -110,7 +113,8 @@ def run_cli(fv) -> int:
                            'e.g. 1,8,16') from None
       if any(n <= 0 for n in numbers[name]):
         raise FlexjaxError(f'--{name}={",".join(getattr(fv, name))} must be positive')
-    records = measure(cfg, repeats=fv.repeats, **numbers)
+    programs: list = []  # freed as the tool returns, after its output
+    records = measure(cfg, repeats=fv.repeats, programs=programs, **numbers)
   except FlexjaxError as e:
     return report_error('layer_bench', e)
   for r in records:

@@ -22,8 +22,10 @@ from typing import Any
 from tools.benchlib import report_error, run_tool
 
 
-def measure(cfg, *, rows: int, prompt_len: int, dtype: str) -> dict[str, Any]:
-  """{'rss', 'xla', 'library', 'counted', 'onednn'} in bytes for one prefill layer step."""
+def measure(cfg, *, rows: int, prompt_len: int, dtype: str, programs: list) -> dict[str, Any]:
+  """{'rss', 'xla', 'library', 'counted', 'onednn'} in bytes for one prefill layer step; the
+  compiled step is appended to `programs`, which the caller frees after its later work
+  (flexjax.model.linear.library_options: a oneDNN program freed right after its run can abort)."""
   import jax
   import numpy as np
 
@@ -39,6 +41,7 @@ def measure(cfg, *, rows: int, prompt_len: int, dtype: str) -> dict[str, Any]:
   mask = jax.device_put(np.ones((rows, prompt_len), bool), device)
   fn = steps.prefill_layer_library if onednn else steps.prefill_layer
   compiled = fn.lower(layer, x, None, mask, device_rows=0).compile()
+  programs.append(compiled)
   stats = compiled.memory_analysis()
   jax.block_until_ready(compiled(layer, x, None, mask))
   gc.collect()
@@ -74,7 +77,9 @@ def run_cli(fv) -> int:
                            f'({e})') from None
     else:
       cfg = config_lib.preset(fv.model)
-    got = measure(cfg, rows=fv.rows, prompt_len=fv.prompt_len, dtype=fv.dtype)
+    programs: list = []  # freed as the tool returns, after its output
+    got = measure(cfg, rows=fv.rows, prompt_len=fv.prompt_len, dtype=fv.dtype,
+                  programs=programs)
   except FlexjaxError as e:
     return report_error('step_memory', e)
   mib = lambda v: f'{v / 2**20:.1f} MiB'  # noqa: E731
