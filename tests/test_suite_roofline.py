@@ -48,6 +48,30 @@ def test_work_of_a_hand_computed_block():
                                'device_memory': 2 * 7 * 32}
 
 
+@pytest.mark.parametrize('name', ['gqa_4_2', 'mqa_6_1_tied'])
+def test_a_llama_blocks_flops_are_its_transformers_models_products(name):
+  """Every weight of a Llama layer's linear modules (q, k and v with grouped KV heads, o, gate,
+  up, down) counted once per token, as the transformers model holds them."""
+  import torch
+
+  from conftest import make_hf_llama
+  model = make_hf_llama(name)
+  hf = model.config
+  cfg = ModelConfig.from_hf_config(hf.to_dict())
+  layer = sum(m.weight.numel() for m in model.model.layers[0].modules()
+              if isinstance(m, torch.nn.Linear))
+  q_dim = hf.num_attention_heads * (hf.hidden_size // hf.num_attention_heads)
+  head = model.lm_head.weight.numel()
+  batch, s, n, layers = 3, 5, 4, hf.num_hidden_layers
+  w = roofline.work(cfg, batch=batch, prompt_len=s, gen_len=n, weight_bytes={},
+                    kv_rows={'device': batch, 'host': 0, 'disk': 0}, kv_token_bytes=4)
+  assert w['prefill'].flops == batch * (layers * (s * 2 * layer + 4 * q_dim * s * (s + 1) / 2)
+                                        + 2 * head)
+  attended = sum(s + j for j in range(1, n))
+  assert w['decode'].flops == batch * ((n - 1) * (layers * 2 * layer + 2 * head)
+                                       + layers * 4 * q_dim * attended)
+
+
 def test_device_memory_bounds_a_small_batch_decode_on_an_accelerator():
   # everything on the device: one pass reads 500 weight bytes; decode reads 3 + 4 cached
   # positions of both rows (2 * 7 * 32) and writes their 2 new tokens (2 * 2 * 32)

@@ -295,9 +295,11 @@ def work(cfg, *, batch: int, prompt_len: int, gen_len: int, weight_bytes: dict[s
       with sparse attention, which reads only the kept V rows).
     cpu_attention: host-cache attention runs on the host, so that cache is not moved.
 
-  FLOPs: 2 per multiply-add of the decoder's matmuls (q, k, v, out: 4h^2; MLP: 2h*ffn per token
-  per layer), attention (4h per attended position: scores and the weighted sum; causal prefill
-  attends (s+1)/2 positions on average, decode step j attends s+j), and the LM head
+  FLOPs: 2 per multiply-add of the decoder's matmuls (every weight of a layer's matrices once
+  per token: cost_model.layer_matmul_params; OPT's 4h^2 + 2h*ffn, Llama's q, k, v, o with
+  grouped KV heads and its gate, up and down), attention (4 q_dim per attended position: scores
+  and the weighted sum; causal prefill attends (s+1)/2 positions on average, decode step j
+  attends s+j), and the LM head
   (2*embed*vocab) once per generated token only. KV bytes: prefill writes the prompt's K and V
   of off-device rows; decode step j reads s+j-1 cached positions of off-device rows and writes
   one. Host rows cross the host<->device link, disk rows the disk links (and, without CPU
@@ -307,13 +309,14 @@ def work(cfg, *, batch: int, prompt_len: int, gen_len: int, weight_bytes: dict[s
   embedding gather, hidden states moved between tiers or read and written in device memory,
   loaded bytes written to device memory, and re-reads of the same bytes.
   """
-  h, s, n, L = cfg.hidden_size, prompt_len, gen_len, cfg.num_layers
-  layer_mm = 2 * (4 * h * h + 2 * h * cfg.ffn_dim)  # per token
+  from flexjax.cost_model import layer_matmul_params
+  q, s, n, L = cfg.q_dim, prompt_len, gen_len, cfg.num_layers
+  layer_mm = 2 * layer_matmul_params(cfg)  # per token
   head = 2 * cfg.embed_dim * cfg.vocab_size
   steps = n - 1
-  prefill_flops = batch * (L * (s * layer_mm + 4 * h * s * (s + 1) / 2) + head)
+  prefill_flops = batch * (L * (s * layer_mm + 4 * q * s * (s + 1) / 2) + head)
   attended = steps * s + steps * (steps + 1) / 2  # sum over j = 1..n-1 of s + j
-  decode_flops = batch * (steps * (L * layer_mm + head) + L * 4 * h * attended)
+  decode_flops = batch * (steps * (L * layer_mm + head) + L * 4 * q * attended)
   kv = 2 * kv_token_bytes * L  # K and V of one token, all layers
   read = kv_read_factor * kv_token_bytes * L
   cached = steps * s + steps * (steps - 1) / 2  # sum over j of s + j - 1
