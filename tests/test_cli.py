@@ -197,7 +197,8 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
                         capture_output=True, text=True, cwd=REPO, timeout=120)
   _one_line_error(tool, 'memcheck: error:', '--random', "'two'")
   for args, needles in ((['tools.memcheck', '--only=all_device,nope'], ["'nope'", 'choose from']),
-                        (['tools.roofline', '--file_gib=0'], ['--file_gib=0'])):
+                        (['tools.roofline', '--file_gib=0'], ['--file_gib=0']),
+                        (['tools.roofline', '--dtypes=float64'], ["'float64'", 'bfloat16'])):
     tool = subprocess.run([sys.executable, '-m', *args], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
     _one_line_error(tool, *needles)

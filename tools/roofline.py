@@ -45,6 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 from flexjax import diskio, hardware, scratch
+from flexjax.config import DTYPES
 from flexjax.errors import FlexjaxError
 from flexjax.hardware import best_seconds
 
@@ -470,6 +471,9 @@ def define_flags(fv) -> None:
   flags.DEFINE_integer('chunk_mib', 16, 'Bytes per read call of the disk probe, in MiB.',
                        lower_bound=1, **f)
   flags.DEFINE_list('dtypes', ['float32'], 'Compute dtypes whose matmul rate to measure.', **f)
+  flags.register_validator(
+      'dtypes', lambda names: bool(names) and set(names) <= set(DTYPES),
+      message=f'must name dtypes flexjax computes in; choose from {", ".join(DTYPES)}', **f)
   flags.DEFINE_bool('torch', False, 'Also time the matmuls in torch (the peers\' framework).', **f)
   flags.DEFINE_string('output', None, 'Also write the rates as JSON to this file.', **f)
 
