@@ -198,10 +198,19 @@ def test_cli_errors_are_one_line(pre_ln, tmp_path):
   _one_line_error(tool, 'memcheck: error:', '--random', "'two'")
   for args, needles in ((['tools.memcheck', '--only=all_device,nope'], ["'nope'", 'choose from']),
                         (['tools.roofline', '--file_gib=0'], ['--file_gib=0']),
-                        (['tools.roofline', '--dtypes=float64'], ["'float64'", 'bfloat16'])):
+                        (['tools.roofline', '--dtypes=float64'], ["'float64'", 'bfloat16']),
+                        (['tools.pipeline_scaling', '--stages=1,x'], ['--stages', "'x'", '1,2,4'])):
     tool = subprocess.run([sys.executable, '-m', *args], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
     _one_line_error(tool, *needles)
+  # refused before its output file is made
+  for bad, needle in (('--models=opt-9b', "'opt-9b'"), ('--batch_sizes=x', "'x'"),
+                      ('--prompt_len=5000', '--prompt_len=5000')):
+    output = tmp_path / 'bench' / 'out.jsonl'
+    tool = subprocess.run([sys.executable, '-m', 'tools.bench', bad, f'--output={output}'],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    _one_line_error(tool, 'bench: error:', needle)
+    assert not output.exists()
 
 
 def test_inputs_of_the_wrong_kind_are_one_line_errors(pre_ln, tmp_path):

@@ -277,18 +277,20 @@ def _check_flags() -> None:
   if not _OUTPUT.value:
     raise FlexjaxError('--output is required to run; e.g. --output=bench_results/bench.jsonl '
                        '(or pass --render=FILE to print a table)')
-
-
-def run_all(emit: Callable[[dict[str, Any]], None]) -> None:
-  """Runs every (model, dtype, engine, batch size) case of the flags, passing records to emit."""
-  cfgs = [config_lib.preset(name) for name in _MODELS.value]
-  batch_sizes = _parse_batch_sizes(_BATCH_SIZES.value)
-  threads = _TORCH_THREADS.value or os.cpu_count() or 1
-  for cfg in cfgs:
+  _parse_batch_sizes(_BATCH_SIZES.value)
+  for cfg in (config_lib.preset(name) for name in _MODELS.value):
     needed = _PROMPT_LEN.value + _GEN_LEN.value - 1
     if needed > cfg.max_positions:
       raise FlexjaxError(f'--prompt_len={_PROMPT_LEN.value} plus --gen_len={_GEN_LEN.value} needs '
                          f'{needed} positions but {cfg.name} has {cfg.max_positions}; shorten one')
+
+
+def run_all(emit: Callable[[dict[str, Any]], None]) -> None:
+  """Runs every (model, dtype, engine, batch size) case of the flags (checked by _check_flags),
+  passing records to emit."""
+  cfgs = [config_lib.preset(name) for name in _MODELS.value]
+  batch_sizes = _parse_batch_sizes(_BATCH_SIZES.value)
+  threads = _TORCH_THREADS.value or os.cpu_count() or 1
   context = run_context(threads)
   for cfg in cfgs:
     for dtype in _DTYPES.value:

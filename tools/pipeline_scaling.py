@@ -41,6 +41,9 @@ def define_flags(fv) -> None:
   from absl import flags
   f = dict(flag_values=fv)
   flags.DEFINE_list('stages', ['1', '2', '4'], 'Stage counts to measure.', **f)
+  flags.register_validator('stages', lambda v: bool(v) and all(s.isdigit() and int(s) > 0
+                                                               for s in v),
+                           message='must be positive integers, e.g. --stages=1,2,4', **f)
   flags.DEFINE_string('model', 'opt-1.3b', 'Model shape (dummy weights).', **f)
   flags.DEFINE_float('weights_gib', 0.5, 'RAM for resident weights per stage (GiB).', **f)
   flags.DEFINE_integer('prompt_len', 32, 'Prompt length.', **f)
