@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -64,6 +65,23 @@ class HardwareProfile:
   # them (linear.family_in_library). None: mm_flops' rates hold for every layer.
   xla_mm_flops: dict[int, float] | None = None
 
+  def __post_init__(self):
+    """Refuses a rate the cost model cannot divide by (a profile measured with nothing to move,
+    or edited by hand): a FlexjaxError naming the field and the value."""
+    rates = {name: getattr(self, name) for name in ('ctog_bw', 'gtoc_bw', 'dtoc_bw', 'ctod_bw',
+                                                    'cpu_flops', 'prefill_attention_flops')}
+    for table in _RATE_TABLES:
+      if getattr(self, table) is not None:
+        if not getattr(self, table):
+          raise FlexjaxError(f'{table} is empty; it needs the rate of at least one size')
+        rates.update({f'{table}[{rows}]': v for rows, v in getattr(self, table).items()})
+    for name, value in rates.items():
+      if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                    and value > 0):
+        raise FlexjaxError(f'{name}={value!r} is not a positive rate')
+    if not 0 <= self.disk_overlap <= 1:
+      raise FlexjaxError(f'disk_overlap={self.disk_overlap!r} must lie in [0, 1]')
+
   def matmul_flops(self, rows: int, library: bool = True) -> float:
     """The matmul rate at `rows`, never below a smaller size's: a product of many rows can
     always run as products of fewer (the measured tables dip where a size leaves the caches).
@@ -105,7 +123,7 @@ class HardwareProfile:
     except IsADirectoryError:
       raise FlexjaxError(f'hardware profile {str(path)!r} is a folder; give its JSON file '
                          '(tools/profile_hw.py writes one)') from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, FlexjaxError) as e:
       raise FlexjaxError(f'hardware profile {str(path)!r} is not valid ({e}); measure it '
                          'again') from None
 

@@ -3,6 +3,7 @@ beside the accelerator when JAX_PLATFORMS names only the latter; the engine's st
 the measured profile."""
 
 import math
+import re
 import time
 
 import jax
@@ -127,6 +128,34 @@ def test_profile_hw_refuses_an_output_it_cannot_write_before_measuring(tmp_path)
     assert proc.returncode != 0 and says in proc.stderr, proc.stderr
     assert f'flag --output={output}: ' in proc.stderr  # absl's parse error names flag and value
     assert 'measuring' not in proc.stderr and not proc.stdout  # refused before any work
+
+
+@pytest.mark.parametrize('field, value, says', [
+    ('ctog_bw', 0.0, 'ctog_bw=0.0 is not a positive rate'),
+    ('mm_flops', {'1': 1e9, '8': float('nan')}, 'mm_flops[8]=nan'),
+    ('bmm_flops', {}, 'bmm_flops is empty'),
+    ('disk_overlap', 1.5, 'disk_overlap=1.5 must lie in [0, 1]')])
+def test_a_profile_with_a_rate_the_cost_model_cannot_use_is_refused(tmp_path, field, value, says):
+  """A profile file edited by hand, or measured with nothing to move (profile_hw's --size_mb=0
+  had written zero bandwidths, and a run with it divided by zero), is one error naming the field,
+  before any search."""
+  import json
+  import subprocess
+  import sys
+  from pathlib import Path
+  profile = json.loads(hardware.t4_profile().to_json())
+  profile[field] = value
+  path = tmp_path / 'edited.json'
+  path.write_text(json.dumps(profile))
+  with pytest.raises(FlexjaxError, match=re.escape(says)):
+    hardware.HardwareProfile.load(path)
+  proc = subprocess.run([sys.executable, '-m', 'flexjax.main', '--model=opt-125m', '--weights=dummy',
+                         '--policy=auto', f'--hw_profile={path}', '--dry_run', '--noprogress'],
+                        capture_output=True, text=True, timeout=120,
+                        cwd=Path(__file__).resolve().parent.parent)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+  assert str(path) in lines[0] and 'Traceback' not in proc.stderr
 
 
 def test_a_profile_is_cached_per_machine_cores_jax_build_and_disk(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from flexjax.errors import FlexjaxError, flags_parser
 _OUTPUT = flags.DEFINE_string('output', None, 'Profile file to write.', required=True)
 _SCRATCH = flags.DEFINE_string('scratch_dir', None, 'Folder on the disk to measure (default: the '
                                'system temp folder).')
-_SIZE = flags.DEFINE_integer('size_mb', 256, 'Transfer size in MiB.')
+_SIZE = flags.DEFINE_integer('size_mb', 256, 'Transfer size in MiB.', lower_bound=1)
 _QUICK = flags.DEFINE_bool('quick', False, 'Fewer matmul sizes.')
 
 
