@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import time
 from pathlib import Path
@@ -76,8 +77,8 @@ class HardwareProfile:
           raise FlexjaxError(f'{table} is empty; it needs the rate of at least one size')
         rates.update({f'{table}[{rows}]': v for rows, v in getattr(self, table).items()})
     for name, value in rates.items():
-      if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
-                                    and value > 0):
+      if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                                    and math.isfinite(value) and value > 0):
         raise FlexjaxError(f'{name}={value!r} is not a positive rate')
     if not 0 <= self.disk_overlap <= 1:
       raise FlexjaxError(f'disk_overlap={self.disk_overlap!r} must lie in [0, 1]')

@@ -149,8 +149,9 @@ def test_a_profile_with_a_rate_the_cost_model_cannot_use_is_refused(tmp_path, fi
   path.write_text(json.dumps(profile))
   with pytest.raises(FlexjaxError, match=re.escape(says)):
     hardware.HardwareProfile.load(path)
-  proc = subprocess.run([sys.executable, '-m', 'flexjax.main', '--model=opt-125m', '--weights=dummy',
-                         '--policy=auto', f'--hw_profile={path}', '--dry_run', '--noprogress'],
+  proc = subprocess.run([sys.executable, '-m', 'flexjax.main', '--model=opt-125m',
+                         '--weights=dummy', '--policy=auto', f'--hw_profile={path}', '--dry_run',
+                         '--noprogress'],
                         capture_output=True, text=True, timeout=120,
                         cwd=Path(__file__).resolve().parent.parent)
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
