@@ -86,6 +86,23 @@ def current_rss() -> int:
   return _status_bytes('VmRSS') or 0
 
 
+def rss_and_peak() -> tuple[int, int]:
+  """(resident bytes now, peak resident bytes) from one reading of /proc/self/status, where the
+  kernel gives a peak no lower than the RSS beside it. Two readings can disagree: the counters
+  move in between, and the kernel's peak mark does not take in every value the RSS passes
+  through (a phase's mark once read an RSS above the peak read right after it)."""
+  fields = {}
+  try:
+    for line in Path('/proc/self/status').read_text().splitlines():
+      key, _, value = line.partition(':')
+      if key in ('VmRSS', 'VmHWM'):
+        fields[key] = int(value.split()[0]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  rss = fields.get('VmRSS', 0)
+  return rss, fields.get('VmHWM', max(rss, peak_rss()))
+
+
 def return_free_memory() -> None:
   """Hands memory the process has freed back to the system (glibc keeps freed blocks in its
   arenas, so RSS would stay at the high-water mark of everything done so far)."""

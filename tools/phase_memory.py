@@ -39,9 +39,10 @@ def measure(model: str, *, rows: int, prompt_len: int, gen_len: int,
 
   def mark(phase: str) -> None:
     stats = device.memory_stats() or {}
+    rss, rss_peak = memwatch.rss_and_peak()  # one reading: the peak is the kernel's beside it
     phases.append({'phase': phase, 'in_use': int(stats.get('bytes_in_use', 0)),
                    'peak': int(stats.get('peak_bytes_in_use', 0)),
-                   'rss': memwatch.current_rss(), 'rss_peak': memwatch.peak_rss()})
+                   'rss': rss, 'rss_peak': rss_peak})
 
   cfg = preset(model)
   fields = {'gpu_batch_size': rows}
