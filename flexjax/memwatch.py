@@ -8,15 +8,22 @@ import resource
 from pathlib import Path
 
 
-def _proc_field(path: str, key: str) -> int | None:
-  """A field in kB of a /proc file, in bytes; None where unreadable."""
+def _proc_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+  """Fields in kB of a /proc file, in bytes, from one reading; those unreadable left out."""
+  out = {}
   try:
     for line in Path(path).read_text().splitlines():
-      if line.startswith(key + ':'):
-        return int(line.split()[1]) * 1024
-  except OSError:
+      key, _, value = line.partition(':')
+      if key in keys:
+        out[key] = int(value.split()[0]) * 1024
+  except (OSError, ValueError, IndexError):
     pass
-  return None
+  return out
+
+
+def _proc_field(path: str, key: str) -> int | None:
+  """A field in kB of a /proc file, in bytes; None where unreadable."""
+  return _proc_fields(path, (key,)).get(key)
 
 
 def _status_bytes(key: str) -> int | None:
@@ -91,16 +98,9 @@ def rss_and_peak() -> tuple[int, int]:
   kernel gives a peak no lower than the RSS beside it. Two readings can disagree: the counters
   move in between, and the kernel's peak mark does not take in every value the RSS passes
   through (a phase's mark once read an RSS above the peak read right after it)."""
-  fields = {}
-  try:
-    for line in Path('/proc/self/status').read_text().splitlines():
-      key, _, value = line.partition(':')
-      if key in ('VmRSS', 'VmHWM'):
-        fields[key] = int(value.split()[0]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
+  fields = _proc_fields('/proc/self/status', ('VmRSS', 'VmHWM'))
   rss = fields.get('VmRSS', 0)
-  return rss, fields.get('VmHWM', max(rss, peak_rss()))
+  return rss, fields.get('VmHWM') or max(rss, peak_rss())
 
 
 def return_free_memory() -> None:

@@ -262,7 +262,7 @@ def _parse_batch_sizes(values: Sequence[str]) -> list[int]:
   return sizes
 
 
-def _check_flags() -> None:
+def _check_flags() -> tuple[list, list[int]]:
   for engine in _ENGINES.value:
     if engine not in ('flexjax', 'transformers'):
       raise FlexjaxError(f'--engines has {engine!r}; choose from flexjax, transformers')
@@ -277,19 +277,19 @@ def _check_flags() -> None:
   if not _OUTPUT.value:
     raise FlexjaxError('--output is required to run; e.g. --output=bench_results/bench.jsonl '
                        '(or pass --render=FILE to print a table)')
-  _parse_batch_sizes(_BATCH_SIZES.value)
-  for cfg in (config_lib.preset(name) for name in _MODELS.value):
+  batch_sizes = _parse_batch_sizes(_BATCH_SIZES.value)
+  cfgs = [config_lib.preset(name) for name in _MODELS.value]
+  for cfg in cfgs:
     needed = _PROMPT_LEN.value + _GEN_LEN.value - 1
     if needed > cfg.max_positions:
       raise FlexjaxError(f'--prompt_len={_PROMPT_LEN.value} plus --gen_len={_GEN_LEN.value} needs '
                          f'{needed} positions but {cfg.name} has {cfg.max_positions}; shorten one')
+  return cfgs, batch_sizes
 
 
-def run_all(emit: Callable[[dict[str, Any]], None]) -> None:
-  """Runs every (model, dtype, engine, batch size) case of the flags (checked by _check_flags),
-  passing records to emit."""
-  cfgs = [config_lib.preset(name) for name in _MODELS.value]
-  batch_sizes = _parse_batch_sizes(_BATCH_SIZES.value)
+def run_all(emit: Callable[[dict[str, Any]], None], cfgs: list, batch_sizes: list[int]) -> None:
+  """Runs every (model, dtype, engine, batch size) case of the flags (models and batch sizes as
+  _check_flags gives them), passing records to emit."""
   threads = _TORCH_THREADS.value or os.cpu_count() or 1
   context = run_context(threads)
   for cfg in cfgs:
@@ -307,9 +307,9 @@ def main(argv):
     if _RENDER.value:
       print(render_table(read_records(_RENDER.value)))
       return 0
-    _check_flags()
+    cfgs, batch_sizes = _check_flags()
     with jsonl_appender(_OUTPUT.value) as emit:
-      run_all(emit)
+      run_all(emit, cfgs, batch_sizes)
   except FlexjaxError as e:
     print(f'bench: error: {e}', file=sys.stderr)
     return 2
