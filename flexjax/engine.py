@@ -181,6 +181,8 @@ class Engine:
     self.storage = Storage(self.device, self.budgets, capacities=_capacities(placing),
                            offload_dir=offload_dir, drop_page_cache=drop_page_cache,
                            host_memory=self.host_memory)
+    # host-tier weights in the device's own RAM as plain buffers: the steps take them as placed
+    self._host_in_place = self.planner.device_is_host and self.host_memory is None
     self.stats = _new_stats(self.config)
     self.reader = diskio.Reader(io_threads)
     # token rows an embedding step reads (Mover.token_rows): threads of their own, so these
@@ -197,7 +199,7 @@ class Engine:
                                   cache_dir=weights_cache, drop_page_cache=drop_page_cache,
                                   progress=progress)
       self._stages = place_weights(weights, policy, self.sizes, self.storage, self.steps,
-                                   self.layout)
+                                   self.layout, host_in_place=self._host_in_place)
       # what placing freed (reads, casts, dummy values) leaves the process: glibc would keep it
       # resident, outside the plan (bfloat16 opt-1.3b 24 x 128: 180 MiB, and a peak 0.9% over
       # its plan)
@@ -351,7 +353,8 @@ class Engine:
                   read_ahead=read_ahead and self._reads_ahead, clock=clock, stats=self.stats,
                   stage_names=plan_lib.stage_names(self.config),
                   device_is_host=self.planner.device_is_host,
-                  prompt_ids=policy.gpu_batch_size * tokens.shape[1])
+                  prompt_ids=policy.gpu_batch_size * tokens.shape[1],
+                  host_in_place=self._host_in_place)
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
     batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
                           mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
@@ -393,7 +396,8 @@ class Engine:
                   row_reader=self.row_reader,
                   clock=Clock(False),
                   stats=self.stats, stage_names=plan_lib.stage_names(self.config),
-                  device_is_host=self.planner.device_is_host, prompt_ids=tokens.size)
+                  device_is_host=self.planner.device_is_host, prompt_ids=tokens.size,
+                  host_in_place=self._host_in_place)
     put = lambda a: jax.device_put(np.array(a, copy=True), self.device)
     x = None
     for index in range(len(self._stages)):

@@ -184,9 +184,10 @@ class Mover:
   def __init__(self, storage: Storage, steps: Steps, stages: list[Placed], policy: Policy, *,
                reader: diskio.Reader, row_reader: diskio.Reader, clock: Clock, stats: dict,
                stage_names: list[str], device_is_host: bool, prompt_ids: int,
-               read_ahead: bool = False):
+               read_ahead: bool = False, host_in_place: bool = False):
     """reader: the stages' disk reads; row_reader: token rows (token_rows); prompt_ids: ids a
-    prompt step of the block looks up (GPU batch x prompt length)."""
+    prompt step of the block looks up (GPU batch x prompt length); host_in_place: the steps
+    take host-tier tensors as placed (plan.used_in_place)."""
     self.storage, self.steps, self.stages = storage, steps, stages
     self.policy, self.clock, self.stats = policy, clock, stats
     self.stage_names = stage_names
@@ -194,9 +195,11 @@ class Mover:
     self.reader, self.row_reader = reader, row_reader
     self.reads_ahead = read_ahead  # the plan holds a second staging buffer for it
     # per stage, the slots a load brings to the device: every one off the device but a part
-    # whose rows the steps read as they need them (plan.gathers_rows, token_rows)
+    # whose rows the steps read as they need them (plan.gathers_rows, token_rows) and, on a CPU
+    # backend, a host-tier one the steps take as it lies (plan.used_in_place)
     self.loads = [{slot for slot, _ in stage if slot.tier != 'device'
-                   and not plan_lib.gathers_rows(stage_names[i], slot, prompt_ids)}
+                   and not plan_lib.gathers_rows(stage_names[i], slot, prompt_ids)
+                   and not plan_lib.used_in_place(stage_names[i], slot, host_in_place)}
                   for i, stage in enumerate(stages)]
     # On a CPU backend a stage's unpacked disk tensors become device arrays over its staging
     # buffer (no copy), which then stays with the loaded weights until the steps that used them

@@ -51,10 +51,12 @@ def cpu_quantizer(quantize, cpu: jax.Device):
 
 def place_weights(source: WeightSource, policy: Policy, sizes: plan_lib.Itemsizes,
                   storage: Storage, steps: Steps,
-                  layout: stream_lib.StreamLayout | None = None) -> list[Placed]:
+                  layout: stream_lib.StreamLayout | None = None, *,
+                  host_in_place: bool = False) -> list[Placed]:
   """Every compute stage's tensors on their tiers, in model order. With a layout, every tensor
   is read from it (disk-tier ones are only referenced); without one, from the source (then the
-  policy may put nothing on disk)."""
+  policy may put nothing on disk). host_in_place: the steps take host-tier tensors as they lie
+  (plan.used_in_place)."""
   cfg = source.config
   tokens = {} if layout else params_lib.flatten(source.read('tokens'))  # read once, used twice
   placed = []
@@ -65,12 +67,13 @@ def place_weights(source: WeightSource, policy: Policy, sizes: plan_lib.Itemsize
       fetch = host.pop
     else:
       fetch = lambda path, stage=stage: layout.tensor(stage, path)
-    placed.append(_place_stage(cfg, stage, fetch, policy, sizes, storage, steps))
+    placed.append(_place_stage(cfg, stage, fetch, policy, sizes, storage, steps,
+                               host_in_place))
   return placed
 
 
 def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage,
-                 steps: Steps) -> Placed:
+                 steps: Steps, host_in_place: bool) -> Placed:
   placed, source, whole = [], None, None
   for slot in plan_lib.stage_layout(cfg, policy, sizes, stage):
     if source is None or slot.path != source[0]:  # a tensor's parts come one after another
@@ -95,6 +98,8 @@ def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage
         value = jax.device_put(array, storage.device).block_until_ready()  # as stored
       else:
         value = storage.host_weights(array, 'weights.host')
+        if plan_lib.used_in_place(stage, slot, host_in_place):
+          value = storage.in_place(value)
     placed.append((slot, quant_lib.Packed(value, slot.shape[-1], policy.quant)
                    if slot.packed else value))
   return placed

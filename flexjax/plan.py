@@ -646,6 +646,17 @@ def _as_linear(value) -> Linear:
 
 
 # ---- compiled working memory --------------------------------------------------------------------
+def used_in_place(stage: str, slot: TensorSlot, host_in_place: bool) -> bool:
+  """Whether the steps take a host-tier slot as it lies, with nothing loaded, where host-tier
+  weights are plain buffers in the device's own RAM (host_in_place: a CPU backend without
+  pinned host memory): an unpacked tensor wholly on the host tier, or a part of one the step
+  takes in parts (params.used_in_parts). Placement makes it a device array over its host
+  buffer once (no copy), so a load neither puts nor waits for it, and a stage of only such
+  slots (and device-resident ones) is looked up without the weights thread."""
+  return (host_in_place and slot.tier == 'host' and not slot.packed
+          and (slot.whole or params_lib.used_in_parts(stage, slot.path)))
+
+
 def gathers_rows(stage: str, slot: TensorSlot, prompt_ids: int) -> bool:
   """Whether the steps of a run read only the rows they look up of this slot instead of
   loading it whole: the embedding stage's token table where it lies on disk unpacked, when a

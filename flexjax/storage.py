@@ -354,6 +354,16 @@ class Storage:
     sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=self.host_memory)
     return jax.device_put(array, sharding).block_until_ready()
 
+  def in_place(self, array: np.ndarray):
+    """A host-tier buffer as a device array over the same memory, on a CPU backend (one RAM;
+    plan.used_in_place): the steps take it with no load. XLA:CPU aliases an aligned buffer
+    (host_array's are); one it would copy stays the numpy buffer, which a step's call then
+    copies in, as a load would have."""
+    value = jax.device_put(array, self.device)
+    if value.unsafe_buffer_pointer() != array.ctypes.data:
+      return array
+    return value
+
   def disk_array(self, shape, dtype, pool: str | None = None) -> DiskArray:
     dtype = np.dtype(dtype)
     self.reserve('disk', int(np.prod(shape)) * dtype.itemsize, pool)

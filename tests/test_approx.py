@@ -98,16 +98,23 @@ def test_compressed_logits_stay_within_the_bound_of_fp32(pre_ln, bits, bound):
   assert error < bound, error
 
 
-def test_compressed_sizes_are_accounted(pre_ln):
-  plain = run(pre_ln.ckpt_dir, Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=100,
-                                      cache_gpu_percent=0, cache_cpu_percent=100))
-  packed = run(pre_ln.ckpt_dir, Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=100,
-                                       cache_gpu_percent=0, cache_cpu_percent=100,
-                                       compress_weight=True, compress_cache=True))
+def test_compressed_sizes_are_accounted(pre_ln, tmp_path):
+  host = dict(w_gpu_percent=0, w_cpu_percent=100, cache_gpu_percent=0, cache_cpu_percent=100)
+  plain = run(pre_ln.ckpt_dir, Policy(gpu_batch_size=4, **host))
+  packed = run(pre_ln.ckpt_dir, Policy(gpu_batch_size=4, **host, compress_weight=True,
+                                       compress_cache=True))
   # fp32 checkpoint: 4-bit rows are (4 + 32/64) / 32 = 0.14 of the matrices' bytes
-  assert packed.bytes_moved['weights'] < 0.2 * plain.bytes_moved['weights']
   assert packed.bytes_moved['k_cache'] < 0.3 * plain.bytes_moved['k_cache']
   assert packed.peak_bytes['host'] < 0.3 * plain.peak_bytes['host']
+  # weights brought to the device each stage: from disk (host-tier ones on a CPU backend are
+  # taken where they lie, plan.used_in_place; packed ones are dequantized as they load); the
+  # biases and norms, a larger share of this small model than of a real one, move unpacked
+  # (0.217 of the plain run's bytes here)
+  disk = dict(w_gpu_percent=0, w_cpu_percent=0)
+  plain = run(pre_ln.ckpt_dir, Policy(gpu_batch_size=4, **disk), tmp_path)
+  packed = run(pre_ln.ckpt_dir, Policy(gpu_batch_size=4, **disk, compress_weight=True),
+               tmp_path)
+  assert 0 < packed.bytes_moved['weights'] < 0.25 * plain.bytes_moved['weights']
 
 
 def test_sparsity_one_is_dense_and_keeping_everything_matches_dense(pre_ln):

@@ -5,6 +5,7 @@ step's time: tools/step_overhead.py); what is off the device still loads on its 
 
 import threading
 
+import jax
 import pytest
 
 from flexjax.config import ModelConfig
@@ -45,8 +46,18 @@ def test_all_on_the_device_nothing_is_handed_to_a_thread(monkeypatch):
 @pytest.mark.parametrize('placement, loader', [
     (dict(act_gpu_percent=0, act_cpu_percent=100), 'load_inputs'),
     (dict(cache_gpu_percent=0, cache_cpu_percent=100), 'load_inputs'),
-    (dict(w_gpu_percent=0, w_cpu_percent=100), 'load_weights'),
-], ids=['hidden_on_host', 'cache_on_host', 'weights_on_host'])
+    # a tensor split between the device and the host is joined when its stage loads
+    (dict(w_gpu_percent=50, w_cpu_percent=50), 'load_weights'),
+], ids=['hidden_on_host', 'cache_on_host', 'weights_split_device_host'])
 def test_what_is_off_the_device_loads_on_its_thread(monkeypatch, placement, loader):
   seen = threads_used(monkeypatch, **placement)
   assert any(name.startswith('flexjax-') for name in seen[loader]), seen
+
+
+def test_whole_host_tier_weights_on_a_cpu_backend_are_taken_where_they_lie(monkeypatch):
+  """The steps take host-tier tensors as placed there (plan.used_in_place): no stage is
+  handed to the weights thread."""
+  if jax.default_backend() != 'cpu':
+    pytest.skip('a CPU backend\'s behaviour')
+  seen = threads_used(monkeypatch, w_gpu_percent=0, w_cpu_percent=100)
+  assert seen['load_weights'] == {'MainThread'}, seen

@@ -589,3 +589,22 @@ def test_storage_budgets_and_peaks(tmp_path):
     assert storage.accounts['host'].current == 0 and storage.accounts['disk'].current == 0
     storage.host_array((16,), np.float32)  # the freed bytes can be used again
     assert storage.peaks()['host'] == 64
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_a_host_buffer_in_place_is_the_device_array_without_a_copy(tmp_path, dtype):
+  """On a CPU backend a host-tier buffer becomes a device array over the same memory
+  (plan.used_in_place): a later write into the buffer is what the array holds."""
+  with Storage(cpu(), offload_dir=tmp_path) as storage:
+    buffer = storage.host_weights(random_array((64, 48), dtype), 'weights.host')
+    value = storage.in_place(buffer)
+    assert isinstance(value, jax.Array) and value.unsafe_buffer_pointer() == buffer.ctypes.data
+    buffer[3] = random_array((48,), dtype, seed=9)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a + 0)(value)), buffer)
+
+
+def test_a_host_buffer_the_device_would_copy_stays_a_buffer(tmp_path):
+  """A buffer XLA:CPU would copy (not aligned for it) is kept as it is, not doubled."""
+  with Storage(cpu(), offload_dir=tmp_path) as storage:
+    unaligned = aligned_empty((4096 + 2,), np.uint8)[2:].view(np.float16)
+    assert storage.in_place(unaligned) is unaligned
