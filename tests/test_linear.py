@@ -79,24 +79,6 @@ def test_row_parts_give_the_whole_tables_rows():
   np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))
 
 
-@pytest.mark.parametrize('stored', ['float32', 'float16'])
-@pytest.mark.parametrize('rows', [8, linear.CAST_ALL_ROWS])
-def test_a_weights_row_parts_give_the_whole_weights_products(stored, rows):
-  """A weight kept as row parts (params.multiplied_in_parts: split across tiers, not joined):
-  the product is the whole weight's, each part giving its outputs, for a decode step's few rows
-  and a prompt's many."""
-  rng = np.random.default_rng(2)
-  w = jnp.asarray(rng.standard_normal((1536, 576)) / 24, stored)
-  x = jnp.asarray(rng.standard_normal((rows, 576)), jnp.float32)
-  fn = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32))
-  want = fn(x, w)
-  for cut in ([731], [1, 1000]):
-    parts = tuple(jnp.split(w, cut))
-    got = fn(x, parts)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
-
-
 def test_a_leftover_tile_does_not_copy_the_matrix():
   """A weight whose rows no tile size divides (OPT's 50272-row token table as the LM head)
   leaves one shorter tile; the whole tiles are sliced inside the loop, so the compiled step's

@@ -96,16 +96,9 @@ def _x_wt(x: jax.Array, w: jax.Array) -> jax.Array:
                              preferred_element_type=acc_dtype(w.dtype))
 
 
-def dense(x: jax.Array, w, dtype) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
   """x [..., i] against w [o, i]: [..., o] in `dtype` (x @ w^T), a weight in another dtype cast
-  a tile of its rows (outputs) at a time, each tile's outputs summed in acc_dtype(dtype).
-  w may be a tuple of its row parts in order (a weight split across tiers,
-  params.multiplied_in_parts): a prompt's product casts them into one matrix, as it casts a
-  whole one; a few rows' products are each part's, their outputs laid side by side."""
-  if isinstance(w, tuple):
-    if math.prod(x.shape[:-1]) >= CAST_ALL_ROWS:
-      return dense(x, jnp.concatenate([part.astype(dtype) for part in w]), dtype)
-    return jnp.concatenate([dense(x, part, dtype) for part in w], axis=-1)
+  a tile of its rows (outputs) at a time, each tile's outputs summed in acc_dtype(dtype)."""
   x = x.astype(dtype)
   outs, ins = w.shape
   lead = x.shape[:-1]

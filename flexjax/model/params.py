@@ -67,22 +67,9 @@ def stage_names(cfg: ModelConfig) -> list[str]:
 
 def used_in_parts(stage: str, path: tuple[str, ...]) -> bool:
   """Whether a stage's function takes this tensor, when it is split across tiers, as the tuple
-  of its row parts instead of joined: the embedding stage's token table (looked_up_in_parts)
-  and every matrix a step multiplies (multiplied_in_parts). Loading it then joins nothing."""
-  return looked_up_in_parts(stage, path) or multiplied_in_parts(stage, path)
-
-
-def looked_up_in_parts(stage: str, path: tuple[str, ...]) -> bool:
-  """The embedding stage's token table: each id is gathered from the part holding it, exactly
-  as from the whole (linear.take_rows)."""
+  of its row parts instead of joined: the embedding stage's token table (each id is gathered
+  from the part holding it, exactly as from the whole). Loading it then joins nothing."""
   return stage == 'embed' and path == ('tokens',)
-
-
-def multiplied_in_parts(stage: str, path: tuple[str, ...]) -> bool:
-  """A matrix [out, in] a step multiplies by (linear.dense): a dense layer's weight, or the LM
-  head's table (the tied token embedding or lm_head). Its row parts are output parts: each
-  part's products give its outputs, which the step lays side by side."""
-  return path[-1] == 'weight' or (stage == 'head' and path in (('tokens',), ('lm_head',)))
 
 
 def layer_name(index: int) -> str:
