@@ -1,5 +1,6 @@
-"""One layer's attention and decode step, timed on the jax device: what a model's decode and
-prefill cost per layer at a given batch and context, apart from any data movement.
+"""One layer's attention and decode step, and the head step, timed on the jax device: what a
+model's decode and prefill cost per layer at a given batch and context, apart from any data
+movement.
 
   python -m tools.layer_bench --model=opt-1.3b --rows=1,8,16 --positions=40,544 \
       --prompt_lens=512 [--output=layer.jsonl]
@@ -10,6 +11,8 @@ decode step of one layer, weights stored float16 and cast in the step, cache on 
 Per rows x prompt length: `prefill_attention` (attention.prefill_attend, causal, in chunks)
 and `prefill_layer` (the prefill step of one layer as a run calls it, oneDNN's products on a CPU
 from linear.LIBRARY_ROWS rows, weights stored float16, no cache kept), each with its FLOP rate.
+Per rows: `head` (the head step of a greedy decode: final norm, LM head over the vocabulary,
+the next token; the token table stored float16), with its FLOP rate.
 Each time is the best of --repeats runs after a compiling run.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -39,6 +43,7 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
 
   from flexjax.cost_model import layer_matmul_params
   from flexjax.model import attention
+  from flexjax.model import params as params_lib
   from flexjax.steps import Geometry, one_layer
 
   device = jax.devices()[0]
@@ -47,12 +52,20 @@ def measure(cfg, *, rows: list[int], positions: list[int], prompt_lens: list[int
       rng.standard_normal(shape).astype(dtype), device)
   steps, layer = one_layer(cfg, device=device)
   programs.append(steps)
+  table = params_lib.dummy_stage(cfg, 'tokens', np.float16, 0) if cfg.head_uses_tokens else {}
+  head = jax.device_put({**params_lib.dummy_stage(cfg, 'head', np.float16, 0), **table}, device)
   attend = jax.jit(functools.partial(attention.attend_decode, cfg=cfg))
   prefill = jax.jit(functools.partial(attention.prefill_attend, cfg=cfg))
   mm_flops = 2 * layer_matmul_params(cfg)
   out = []
   for b in rows:
     x = put((b, 1, cfg.hidden_size))
+    counters = jax.device_put(np.zeros((b, 2), np.uint32), device)
+    ms = best_ms(lambda: jax.block_until_ready(steps.head_step(head, x, counters,
+                                                               temperature=0.0, top_p=1.0)),
+                 repeats)
+    out.append({'case': 'head', 'rows': b, 'positions': 1, 'ms': ms,
+                'gflop_s': 2 * b * math.prod(cfg.tokens_shape()) / ms / 1e6})
     for t in positions:
       q, k, v = put((b, cfg.q_dim)), put((b, cfg.kv_dim)), put((b, cfg.kv_dim))
       caches = [put((b, t, cfg.kv_dim)), put((b, t, cfg.kv_dim))]
