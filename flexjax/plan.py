@@ -663,7 +663,7 @@ def gathers_rows(stage: str, slot: TensorSlot, prompt_ids: int) -> bool:
   prompt step looks up fewer ids (prompt_ids: GPU batch x prompt length) than it has rows. The
   mover then reads those rows for each embedding step (Mover.token_rows), a few KiB per
   sequence instead of the whole part once per token."""
-  return (params_lib.used_in_parts(stage, slot.path) and slot.tier == 'disk'
+  return (params_lib.gathered(stage, slot.path) and slot.tier == 'disk'
           and not slot.packed and prompt_ids < slot.shape[0])
 
 

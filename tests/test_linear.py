@@ -79,6 +79,50 @@ def test_row_parts_give_the_whole_tables_rows():
   np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))
 
 
+def _parts(table, cuts):
+  bounds = [0, *cuts, table.shape[0]]
+  return tuple(table[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+@pytest.mark.parametrize('rows,cols,cuts', [
+    (4096, 1024, (1536,)),  # on a tile boundary
+    (4096, 1024, (1537,)),  # inside a tile
+    (4096, 1024, (100, 130)),  # a middle part shorter than a tile
+    (4103, 1024, (4100,)),  # inside the leftover tile (4103 rows: 4096 in tiles, 7 left)
+    (4103, 1024, (2047, 4097)),
+])
+@pytest.mark.parametrize('lead', [(3, 1), (2 * linear.CAST_ALL_ROWS + 5,)])
+def test_a_matrix_in_row_parts_gives_the_whole_matrixs_products_bit_for_bit(rows, cols, cuts,
+                                                                             lead):
+  """A head's table split across tiers (params.used_in_parts) multiplies as the whole matrix:
+  the same tiles, so float32 outputs equal the whole's exactly, for few rows (tiles) and for a
+  prompt's many (one cast matrix), boundaries on, inside and across tiles."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((*lead, cols)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((rows, cols)) / np.sqrt(cols), jnp.float16)
+  fn = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32))
+  want = np.asarray(fn(x, w))
+  got = np.asarray(fn(x, _parts(w, cuts)))
+  assert got.shape == want.shape == (*lead, rows)
+  np.testing.assert_array_equal(got, want)
+  w32 = w.astype(jnp.float32)  # a weight in the compute dtype: one product either way
+  np.testing.assert_array_equal(np.asarray(fn(x, _parts(w32, cuts))), np.asarray(fn(x, w32)))
+
+
+def test_a_matrix_in_row_parts_copies_no_more_than_the_tile_across_its_boundary():
+  """The few-row product of a split table keeps the whole's temporaries: one tile across the
+  boundary is joined, never the table (the join the loader made before was the whole table)."""
+  rows, cols = 65536, 512
+  r = linear.tile_rows(rows, cols)
+  x = jax.ShapeDtypeStruct((8, cols), jnp.float32)
+  parts = (jax.ShapeDtypeStruct((rows // 3, cols), jnp.float16),
+           jax.ShapeDtypeStruct((rows - rows // 3, cols), jnp.float16))
+  assert (rows // 3) % r  # the boundary lies inside a tile
+  compiled = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32)).lower(x, parts).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < min(rows * cols * 2 / 2, 3 * r * cols * 4), (temp, r)
+
+
 def test_a_leftover_tile_does_not_copy_the_matrix():
   """A weight whose rows no tile size divides (OPT's 50272-row token table as the LM head)
   leaves one shorter tile; the whole tiles are sliced inside the loop, so the compiled step's

@@ -103,30 +103,32 @@ def test_flexgen_placement_puts_the_same_bytes_on_each_tier_as_flexgen(model, gp
     assert got == _flexgen_bytes(cfg, policy, stage), stage
 
 
-def test_embedding_split_across_tiers_is_used_in_parts_not_joined():
-  """The token table split over device, host and disk reaches the embedding step as its row
-  parts: the plan counts no join for it there (the head, which multiplies the whole table, and
-  a layer's straddling matrix are still joined and counted), and the step specs hold one
-  struct per part."""
+def test_a_token_table_split_across_tiers_is_used_in_parts_not_joined():
+  """The token table split over device, host and disk reaches the embedding step and the head
+  (the tied LM head) as its row parts: the plan counts no join for it (a layer's straddling
+  matrix is still joined and counted), and the step specs hold one struct per part: the head's
+  every part whole, the embedding's disk part as the rows its ids look up where a step looks up
+  fewer ids than it holds."""
   cfg = config_lib.preset('opt-125m')
   policy = Policy(w_gpu_percent=30, w_cpu_percent=40)
   slots = {stage: [s for s in plan_lib.stage_layout(cfg, policy, SIZES, stage)
                    if s.path == ('tokens',)] for stage in ('embed', 'head')}
-  assert [s.tier for s in slots['embed']] == ['device', 'host', 'disk']
-  assert all(s.join == 0 for s in slots['embed'])
-  assert sum(s.join for s in slots['head']) > 0
+  for stage in ('embed', 'head'):
+    assert [s.tier for s in slots[stage]] == ['device', 'host', 'disk']
+    assert all(s.join == 0 for s in slots[stage])
   assert any(s.join > 0 for s in plan_lib.stage_layout(cfg, policy, SIZES, 'layer_000'))
   # prompt steps of more ids than the disk part has rows load it whole
   specs = plan_lib.param_specs(cfg, policy, SIZES, 'float32', 'float16',
                                prompt_ids=cfg.vocab_size, step_ids=1)
   assert [p.shape for p in specs['embed']['tokens']] == [s.shape for s in slots['embed']]
-  assert specs['head']['tokens'].shape == cfg.tokens_shape()
-  # fewer: the step gets the rows its ids look up there (the head still loads the table)
+  assert [p.shape for p in specs['head']['tokens']] == [s.shape for s in slots['head']]
+  # fewer: the step gets the rows its ids look up there (the head still loads its parts)
   specs = plan_lib.param_specs(cfg, policy, SIZES, 'float32', 'float16', prompt_ids=8,
                                step_ids=3)
   assert [p.shape for p in specs['embed']['tokens']] == [
       s.shape for s in slots['embed'][:2]] + [(3, *cfg.tokens_shape()[1:])]
-  assert specs['head']['tokens'].shape == cfg.tokens_shape()
+  assert [p.shape for p in specs['head']['tokens']] == [s.shape for s in slots['head']]
+  assert sum(p.shape[0] for p in specs['head']['tokens']) == cfg.tokens_shape()[0]
 
 
 def test_share_order_puts_whole_tensors_below_each_boundary_and_cuts_the_smallest_left():

@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Weights per tile of a few-row product: 16 MiB in float32, large enough that XLA:CPU's
 # per-product overhead is small, and 25-35% faster than 1 Mi-weight tiles.
@@ -96,38 +97,63 @@ def _x_wt(x: jax.Array, w: jax.Array) -> jax.Array:
                              preferred_element_type=acc_dtype(w.dtype))
 
 
-def dense(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+def dense(x: jax.Array, w, dtype) -> jax.Array:
   """x [..., i] against w [o, i]: [..., o] in `dtype` (x @ w^T), a weight in another dtype cast
-  a tile of its rows (outputs) at a time, each tile's outputs summed in acc_dtype(dtype)."""
+  a tile of its rows (outputs) at a time, each tile's outputs summed in acc_dtype(dtype).
+
+  w may be a tuple of its row parts in order (params.used_in_parts: a head's table split across
+  tiers). The product is then the whole matrix's, value for value: its tiles are the whole's,
+  each taken from the part holding it (a tile across a boundary joined from the parts' rows,
+  the only copy), so every tile's product has the whole's shape and operands; a prompt's
+  product, and one in the weight's own dtype, joins the parts into the matrix it would read."""
   x = x.astype(dtype)
-  outs, ins = w.shape
+  parts = w if isinstance(w, tuple) else (w,)
+  outs, ins = sum(part.shape[0] for part in parts), parts[0].shape[1]
   lead = x.shape[:-1]
   flat = x.reshape(math.prod(lead), ins)
   if flat.shape[0] >= CAST_ALL_ROWS:
-    return _x_wt(flat, w.astype(dtype)).astype(dtype).reshape(*lead, outs)
-  if w.dtype == dtype:
-    return _w_xt(w, flat.T).T.astype(dtype).reshape(*lead, outs)
+    whole = _rows(parts, 0, outs, dtype)
+    return _x_wt(flat, whole).astype(dtype).reshape(*lead, outs)
+  if parts[0].dtype == dtype:
+    return _w_xt(_rows(parts, 0, outs), flat.T).T.astype(dtype).reshape(*lead, outs)
   r = tile_rows(outs, ins)
   tiles = outs // r
   xt = flat.T
+  product = lambda rows: _w_xt(rows.astype(dtype), xt).astype(dtype)  # noqa: E731
+  out = jnp.zeros((outs, flat.shape[0]), dtype)
+  first_rows = np.cumsum([0] + [part.shape[0] for part in parts])
+  covered = set()  # tiles taken whole from one part
+  for part, lo, hi in zip(parts, first_rows[:-1], first_rows[1:]):
+    inside = range(-(-int(lo) // r), min(int(hi) // r, tiles))
+    if not inside:
+      continue
+    covered.update(inside)
 
-  def tile(out, i):
-    y = _w_xt(_row_tile(w, i, r).astype(dtype), xt).astype(dtype)
-    return jax.lax.dynamic_update_slice_in_dim(out, y, i * r, axis=0), None
+    def tile(out, i, part=part, lo=int(lo)):
+      # sliced inside the loop: reshaping a part into tiles first would copy all of it
+      y = product(jax.lax.dynamic_slice_in_dim(part, i * r - lo, r, axis=0))
+      return jax.lax.dynamic_update_slice_in_dim(out, y, i * r, axis=0), None
 
-  out, _ = jax.lax.scan(tile, jnp.zeros((outs, flat.shape[0]), dtype), jnp.arange(tiles))
-  main = tiles * r
-  if main < outs:
-    out = jax.lax.dynamic_update_slice_in_dim(
-        out, _w_xt(w[main:].astype(dtype), xt).astype(dtype), main, axis=0)
+    out, _ = jax.lax.scan(tile, out, jnp.arange(inside.start, inside.stop))
+  spans = [(t * r, (t + 1) * r) for t in range(tiles) if t not in covered]
+  if tiles * r < outs:
+    spans.append((tiles * r, outs))
+  for start, end in spans:
+    out = jax.lax.dynamic_update_slice_in_dim(out, product(_rows(parts, start, end)), start,
+                                              axis=0)
   return out.T.reshape(*lead, outs)
 
 
-def _row_tile(w: jax.Array, i: jax.Array, r: int) -> jax.Array:
-  """Rows [i * r, (i + 1) * r) of w, sliced inside the loop: reshaping w[:whole tiles] into
-  tiles would copy the whole matrix first whenever a shorter tile is left over (OPT's
-  50272-row token table as the LM head: 196 MiB copied per call for OPT-1.3B)."""
-  return jax.lax.dynamic_slice_in_dim(w, i * r, r, axis=0)
+def _rows(parts: tuple, start: int, end: int, dtype=None) -> jax.Array:
+  """Rows [start, end) of the matrix whose row parts are `parts`, cast to `dtype` if given."""
+  pieces, first = [], 0
+  for part in parts:
+    lo, hi = max(start - first, 0), min(end - first, part.shape[0])
+    if lo < hi:
+      piece = part if (lo, hi) == (0, part.shape[0]) else part[lo:hi]
+      pieces.append(piece if dtype is None else piece.astype(dtype))
+    first += part.shape[0]
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
 def take_rows(table, ids: jax.Array) -> jax.Array:

@@ -68,8 +68,16 @@ def stage_names(cfg: ModelConfig) -> list[str]:
 def used_in_parts(stage: str, path: tuple[str, ...]) -> bool:
   """Whether a stage's function takes this tensor, when it is split across tiers, as the tuple
   of its row parts instead of joined: the embedding stage's token table (each id is gathered
-  from the part holding it, exactly as from the whole). Loading it then joins nothing."""
-  return stage == 'embed' and path == ('tokens',)
+  from the part holding it, exactly as from the whole) and the head's LM head, the tied token
+  table or lm_head (multiplied tile by tile as the whole, model/linear.dense). Loading it then
+  joins nothing."""
+  return (stage, path) in (('embed', ('tokens',)), ('head', ('tokens',)), ('head', ('lm_head',)))
+
+
+def gathered(stage: str, path: tuple[str, ...]) -> bool:
+  """Whether a stage's function reads only the rows its ids look up of this tensor: the
+  embedding stage's token table."""
+  return (stage, path) == ('embed', ('tokens',))
 
 
 def layer_name(index: int) -> str:
