@@ -103,12 +103,12 @@ def test_flexgen_placement_puts_the_same_bytes_on_each_tier_as_flexgen(model, gp
     assert got == _flexgen_bytes(cfg, policy, stage), stage
 
 
-def test_a_token_table_split_across_tiers_is_used_in_parts_not_joined():
+def test_a_tensor_split_across_tiers_is_used_in_parts_not_joined():
   """The token table split over device, host and disk reaches the embedding step and the head
-  (the tied LM head) as its row parts: the plan counts no join for it (a layer's straddling
-  matrix is still joined and counted), and the step specs hold one struct per part: the head's
-  every part whole, the embedding's disk part as the rows its ids look up where a step looks up
-  fewer ids than it holds."""
+  (the tied LM head) as its row parts, and so do a layer's straddling matrices: the plan counts
+  no join for them, and the step specs hold one struct per part: the head's every part whole,
+  the embedding's disk part as the rows its ids look up where a step looks up fewer ids than it
+  holds."""
   cfg = config_lib.preset('opt-125m')
   policy = Policy(w_gpu_percent=30, w_cpu_percent=40)
   slots = {stage: [s for s in plan_lib.stage_layout(cfg, policy, SIZES, stage)
@@ -116,7 +116,10 @@ def test_a_token_table_split_across_tiers_is_used_in_parts_not_joined():
   for stage in ('embed', 'head'):
     assert [s.tier for s in slots[stage]] == ['device', 'host', 'disk']
     assert all(s.join == 0 for s in slots[stage])
-  assert any(s.join > 0 for s in plan_lib.stage_layout(cfg, policy, SIZES, 'layer_000'))
+  layer = plan_lib.stage_layout(cfg, policy, SIZES, 'layer_000')
+  split = [s for s in layer if not s.whole]
+  assert {s.path for s in split} == {('v', 'weight'), ('fc2', 'weight')}
+  assert all(s.join == 0 for s in layer)
   # prompt steps of more ids than the disk part has rows load it whole
   specs = plan_lib.param_specs(cfg, policy, SIZES, 'float32', 'float16',
                                prompt_ids=cfg.vocab_size, step_ids=1)
@@ -129,6 +132,8 @@ def test_a_token_table_split_across_tiers_is_used_in_parts_not_joined():
       s.shape for s in slots['embed'][:2]] + [(3, *cfg.tokens_shape()[1:])]
   assert [p.shape for p in specs['head']['tokens']] == [s.shape for s in slots['head']]
   assert sum(p.shape[0] for p in specs['head']['tokens']) == cfg.tokens_shape()[0]
+  assert [p.shape for p in specs['layer']['fc2']['weight']] == [
+      s.shape for s in split if s.path == ('fc2', 'weight')]
 
 
 def test_share_order_puts_whole_tensors_below_each_boundary_and_cuts_the_smallest_left():

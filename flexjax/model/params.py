@@ -68,10 +68,11 @@ def stage_names(cfg: ModelConfig) -> list[str]:
 def used_in_parts(stage: str, path: tuple[str, ...]) -> bool:
   """Whether a stage's function takes this tensor, when it is split across tiers, as the tuple
   of its row parts instead of joined: the embedding stage's token table (each id is gathered
-  from the part holding it, exactly as from the whole) and the head's LM head, the tied token
-  table or lm_head (multiplied tile by tile as the whole, model/linear.dense). Loading it then
-  joins nothing."""
-  return (stage, path) in (('embed', ('tokens',)), ('head', ('tokens',)), ('head', ('lm_head',)))
+  from the part holding it, exactly as from the whole) and every matrix a step multiplies by,
+  a dense layer's weight or the head's LM head (the tied token table or lm_head), multiplied
+  tile by tile as the whole matrix (model/linear.dense). Loading it then joins nothing."""
+  return (path[-1] == 'weight' or (stage, path) in (
+      ('embed', ('tokens',)), ('head', ('tokens',)), ('head', ('lm_head',))))
 
 
 def gathered(stage: str, path: tuple[str, ...]) -> bool:
