@@ -293,7 +293,8 @@ class Mover:
   def load_weights(self, index: int, after=None):
     """Brings a stage's weights to the device once `after` (the previous stage's last outputs)
     exist, so at most two stages' loaded weights are alive; its disk reads start before that
-    wait. A tensor split across tiers is joined on the device."""
+    wait. A tensor split across tiers is joined on the device unless its step takes it in
+    parts (params.used_in_parts)."""
     with self._reads_lock:
       read = self._reads.pop(index) if index in self._reads else self._start_reads(index)
     parts: dict = {}  # path -> [(slot, device value)] in row order

@@ -679,7 +679,7 @@ def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, compute_dtyp
   for kind, stage in (('embed', 'embed'), ('layer', params_lib.layer_name(0)), ('head', 'head')):
     flat, row_parts = {}, {}
     for slot in stage_layout(cfg, policy, sizes, stage):
-      shape = slot.full_shape  # a tensor split across tiers is joined when loaded
+      shape = slot.full_shape  # a tensor split across tiers and not used in parts is joined
       if gathers_rows(stage, slot, prompt_ids):
         row_parts.setdefault(slot.path, []).append(
             jax.ShapeDtypeStruct((step_ids, *slot.shape[1:]), storage))

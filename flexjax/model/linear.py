@@ -101,7 +101,7 @@ def dense(x: jax.Array, w, dtype) -> jax.Array:
   """x [..., i] against w [o, i]: [..., o] in `dtype` (x @ w^T), a weight in another dtype cast
   a tile of its rows (outputs) at a time, each tile's outputs summed in acc_dtype(dtype).
 
-  w may be a tuple of its row parts in order (params.used_in_parts: a head's table split across
+  w may be a tuple of its row parts in order (params.used_in_parts: a matrix split across
   tiers). The product is then the whole matrix's, value for value: its tiles are the whole's,
   each taken from the part holding it (a tile across a boundary joined from the parts' rows,
   the only copy), so every tile's product has the whole's shape and operands; a prompt's
@@ -131,6 +131,7 @@ def dense(x: jax.Array, w, dtype) -> jax.Array:
 
     def tile(out, i, part=part, lo=int(lo)):
       # sliced inside the loop: reshaping a part into tiles first would copy all of it
+      # whenever a shorter tile is left over (OPT-1.3B's 50272-row token table: 196 MiB a call)
       y = product(jax.lax.dynamic_slice_in_dim(part, i * r - lo, r, axis=0))
       return jax.lax.dynamic_update_slice_in_dim(out, y, i * r, axis=0), None
 
