@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -134,6 +135,25 @@ def test_a_tensor_split_across_tiers_is_used_in_parts_not_joined():
   assert sum(p.shape[0] for p in specs['head']['tokens']) == cfg.tokens_shape()[0]
   assert [p.shape for p in specs['layer']['fc2']['weight']] == [
       s.shape for s in split if s.path == ('fc2', 'weight')]
+
+
+def test_on_a_cpu_backend_a_split_matrixs_host_part_is_taken_where_it_lies():
+  """plan.used_in_place: the host part of a matrix the step takes in parts (a layer's weight,
+  the head's table) is used as placed, with nothing loaded; a split vector's host part is
+  still loaded and joined; with pinned host memory (host_in_place off) everything loads."""
+  cfg = config_lib.preset('opt-125m')
+  policy = Policy(w_gpu_percent=30, w_cpu_percent=40)
+  host_parts = {(stage, s.path): s for stage in ('layer_000', 'head')
+                for s in plan_lib.stage_layout(cfg, policy, SIZES, stage)
+                if s.tier == 'host' and not s.whole}
+  assert {('layer_000', ('v', 'weight')), ('layer_000', ('fc2', 'weight')),
+          ('head', ('tokens',))} <= set(host_parts)
+  for (stage, _), slot in host_parts.items():
+    assert plan_lib.used_in_place(stage, slot, True)
+    assert not plan_lib.used_in_place(stage, slot, False)
+  vector = dataclasses.replace(host_parts[('layer_000', ('v', 'weight'))], path=('v', 'bias'),
+                               shape=(3,), full_shape=(768,), rows=(0, 3))
+  assert not plan_lib.used_in_place('layer_000', vector, True)
 
 
 def test_share_order_puts_whole_tensors_below_each_boundary_and_cuts_the_smallest_left():
