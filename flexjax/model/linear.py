@@ -121,15 +121,14 @@ def dense(x: jax.Array, w, dtype) -> jax.Array:
   xt = flat.T
   product = lambda rows: _w_xt(rows.astype(dtype), xt).astype(dtype)  # noqa: E731
   out = jnp.zeros((outs, flat.shape[0]), dtype)
-  first_rows = np.cumsum([0] + [part.shape[0] for part in parts])
   covered = set()  # tiles taken whole from one part
-  for part, lo, hi in zip(parts, first_rows[:-1], first_rows[1:]):
-    inside = range(-(-int(lo) // r), min(int(hi) // r, tiles))
+  for part, (lo, hi) in zip(parts, _part_rows(parts)):
+    inside = range(-(-lo // r), min(hi // r, tiles))
     if not inside:
       continue
     covered.update(inside)
 
-    def tile(out, i, part=part, lo=int(lo)):
+    def tile(out, i, part=part, lo=lo):
       # sliced inside the loop: reshaping a part into tiles first would copy all of it
       # whenever a shorter tile is left over (OPT-1.3B's 50272-row token table: 196 MiB a call)
       y = product(jax.lax.dynamic_slice_in_dim(part, i * r - lo, r, axis=0))
@@ -145,15 +144,20 @@ def dense(x: jax.Array, w, dtype) -> jax.Array:
   return out.T.reshape(*lead, outs)
 
 
+def _part_rows(parts: tuple) -> list[tuple[int, int]]:
+  """The [first, end) rows of the whole matrix (or table) that each of its row parts holds."""
+  ends = np.cumsum([part.shape[0] for part in parts]).tolist()
+  return list(zip([0] + ends[:-1], ends))
+
+
 def _rows(parts: tuple, start: int, end: int, dtype=None) -> jax.Array:
   """Rows [start, end) of the matrix whose row parts are `parts`, cast to `dtype` if given."""
-  pieces, first = [], 0
-  for part in parts:
-    lo, hi = max(start - first, 0), min(end - first, part.shape[0])
+  pieces = []
+  for part, (first, last) in zip(parts, _part_rows(parts)):
+    lo, hi = max(start, first) - first, min(end, last) - first
     if lo < hi:
       piece = part if (lo, hi) == (0, part.shape[0]) else part[lo:hi]
       pieces.append(piece if dtype is None else piece.astype(dtype))
-    first += part.shape[0]
   return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
@@ -162,13 +166,12 @@ def take_rows(table, ids: jax.Array) -> jax.Array:
   (params.used_in_parts): each id is taken from the part that holds it."""
   if not isinstance(table, tuple):
     return jnp.take(table, ids, axis=0)
-  out, first = None, 0
-  for part in table:
+  out = None
+  for part, (first, _) in zip(table, _part_rows(table)):
     local = ids - first
     rows = jnp.take(part, jnp.clip(local, 0, part.shape[0] - 1), axis=0)
     inside = ((local >= 0) & (local < part.shape[0]))[..., None]
     out = rows if out is None else jnp.where(inside, rows, out)
-    first += part.shape[0]
   return out
 
 
