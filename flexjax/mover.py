@@ -294,7 +294,7 @@ class Mover:
     """Brings a stage's weights to the device once `after` (the previous stage's last outputs)
     exist, so at most two stages' loaded weights are alive; its disk reads start before that
     wait. A tensor split across tiers is joined on the device unless its step takes it in
-    parts (params.used_in_parts)."""
+    parts (TensorSlot.in_parts)."""
     with self._reads_lock:
       read = self._reads.pop(index) if index in self._reads else self._start_reads(index)
     parts: dict = {}  # path -> [(slot, device value)] in row order
@@ -309,8 +309,7 @@ class Mover:
           loaded += self._reserve_loaded(slot.loaded + slot.join)
           value = self._load_tensor(slot, value, read, keeps=self.keeps_staging[index])
         parts.setdefault(slot.path, []).append((slot, value))
-      stage = self.stage_names[index]
-      tree = self._join_all(stage, parts, buffers)
+      tree = self._join_all(parts, buffers)
       done = True
     except BaseException:
       self.storage.free('device', loaded, 'weights.loaded')
@@ -357,14 +356,14 @@ class Mover:
     self.storage.reserve('device', nbytes, 'weights.loaded')
     return nbytes
 
-  def _join_all(self, stage: str, parts: dict, buffers: list) -> dict:
+  def _join_all(self, parts: dict, buffers: list) -> dict:
     """path -> the stage's tensors, each from its parts (see _join). On a CPU backend the joined
     ones are laid out in one aligned host buffer from the join pool, appended to `buffers`."""
     values = {path: [v for _, v in pieces] for path, pieces in parts.items()}
     values = {path: [self.steps.dequantize(v) if isinstance(v, quant_lib.Packed) else v
                      for v in vs] if len(vs) > 1 else vs for path, vs in values.items()}
-    joined = [path for path, vs in values.items()
-              if len(vs) > 1 and not params_lib.used_in_parts(stage, path)]
+    in_parts = {path for path, pieces in parts.items() if pieces[0][0].in_parts}
+    joined = [path for path, vs in values.items() if len(vs) > 1 and path not in in_parts]
     into = {}
     if self.device_is_host and joined:
       sizes = [diskio.align_up(sum(v.nbytes for v in values[path])) for path in joined]
@@ -372,16 +371,14 @@ class Mover:
       buffers.append((self.joins, buffer))
       offsets = np.cumsum([0] + sizes)
       into = {path: buffer[offsets[i]:offsets[i + 1]] for i, path in enumerate(joined)}
-    return {path: self._join(stage, path, vs, into.get(path)) for path, vs in values.items()}
+    return {path: tuple(vs) if path in in_parts else self._join(vs, into.get(path))
+            for path, vs in values.items()}
 
-  def _join(self, stage: str, path, values: list, into: np.ndarray | None = None) -> object:
-    """A tensor from its parts (rows on different tiers, packed ones already dequantized), or
-    for params.used_in_parts the tuple of its parts, which the step takes as they are. On a CPU
-    backend `into` is the aligned host memory the joined tensor is copied into."""
+  def _join(self, values: list, into: np.ndarray | None = None) -> object:
+    """A tensor from its parts (rows on different tiers, packed ones already dequantized). On a
+    CPU backend `into` is the aligned host memory the joined tensor is copied into."""
     if len(values) == 1:
       return values[0]
-    if params_lib.used_in_parts(stage, path):
-      return tuple(values)
     if self.device_is_host:
       # One RAM: the parts' rows copied into an aligned host array, which becomes the device
       # array without a copy (XLA:CPU's concatenate ran 3x slower than this copy).

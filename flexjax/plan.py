@@ -73,6 +73,20 @@ class Itemsizes:
   storage: int  # weights on host and disk
   compute: int  # weights on the device, hidden states
   cache: int
+  # whether the steps cast stored weights to the compute dtype (float16 stored, float32
+  # computed); None: where the sizes differ. Equal sizes may still cast (float16 to bfloat16).
+  casts: bool | None = None
+
+  @classmethod
+  def of(cls, storage_dtype: str, compute_dtype: str, cache_dtype: str) -> 'Itemsizes':
+    storage, compute = np_dtype(storage_dtype), np_dtype(compute_dtype)
+    return cls(storage=storage.itemsize, compute=compute.itemsize,
+               cache=np_dtype(cache_dtype).itemsize, casts=storage != compute)
+
+  @property
+  def cast(self) -> bool:
+    """Whether a step casts an unpacked stored weight before multiplying by it."""
+    return self.storage != self.compute if self.casts is None else self.casts
 
 
 def stage_names(cfg: ModelConfig) -> list[str]:
@@ -135,8 +149,10 @@ class TensorSlot:
   rows: tuple[int, int]
   full_shape: tuple[int, ...]  # of the whole tensor
   join: int = 0  # device bytes joining a split tensor's parts when it is loaded (first offloaded
-  #                part only): the whole tensor (not for params.used_in_parts), plus
-  #                a packed resident part dequantized
+  #                part only): the whole tensor (not for one in_parts), plus a packed resident
+  #                part dequantized
+  in_parts: bool = False  # split across tiers, and its step takes it as the tuple of its row
+  #                         parts, joined nowhere (params.used_in_parts)
 
   @property
   def resident(self) -> int:
@@ -176,8 +192,10 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
     shape, count = shapes[path], shapes[path][0]
     whole_loaded = math.prod(shape) * _loaded_itemsize(policy, sizes, shape)
     split_load = len(parts[path]) > 1 and any(t != 'device' for t, _, _ in parts[path])
+    in_parts = len(parts[path]) > 1 and params_lib.used_in_parts(
+        stage, path, cast=sizes.cast and not compressed(policy, shape))
     # the joined tensor (none for one used in parts), plus a packed resident part dequantized
-    joined = 0 if params_lib.used_in_parts(stage, path) else whole_loaded
+    joined = 0 if in_parts else whole_loaded
     first_offloaded = True
     for tier, lo, hi in parts[path]:
       join = 0
@@ -187,7 +205,7 @@ def stage_layout(cfg: ModelConfig, policy: Policy, sizes: Itemsizes,
         join = joined + (whole_loaded * device_rows // count if compressed(policy, shape) else 0)
       out.append(TensorSlot(path, (hi - lo, *shape[1:]), tier, compressed(policy, shape),
                             stored[path] * (hi - lo) // count, whole_loaded * (hi - lo) // count,
-                            (lo, hi), tuple(shape), join))
+                            (lo, hi), tuple(shape), join, in_parts))
   return tuple(out)
 
 
@@ -650,11 +668,11 @@ def used_in_place(stage: str, slot: TensorSlot, host_in_place: bool) -> bool:
   """Whether the steps take a host-tier slot as it lies, with nothing loaded, where host-tier
   weights are plain buffers in the device's own RAM (host_in_place: a CPU backend without
   pinned host memory): an unpacked tensor wholly on the host tier, or a part of one the step
-  takes in parts (params.used_in_parts). Placement makes it a device array over its host
+  takes in parts (TensorSlot.in_parts). Placement makes it a device array over its host
   buffer once (no copy), so a load neither puts nor waits for it, and a stage of only such
   slots (and device-resident ones) is looked up without the weights thread."""
   return (host_in_place and slot.tier == 'host' and not slot.packed
-          and (slot.whole or params_lib.used_in_parts(stage, slot.path)))
+          and (slot.whole or slot.in_parts))
 
 
 def gathers_rows(stage: str, slot: TensorSlot, prompt_ids: int) -> bool:
@@ -686,7 +704,7 @@ def param_specs(cfg: ModelConfig, policy: Policy, sizes: Itemsizes, compute_dtyp
       elif slot.packed and slot.tier == 'device' and slot.whole:
         data = jax.ShapeDtypeStruct((*shape[:-1], policy.quant.row_bytes(shape[-1])), np.uint8)
         flat[slot.path] = Packed(data, shape[-1], policy.quant)
-      elif params_lib.used_in_parts(stage, slot.path) and not slot.whole:
+      elif slot.in_parts:
         row_parts.setdefault(slot.path, []).append(
             jax.ShapeDtypeStruct(slot.shape, dtype if slot.packed else storage))
       else:
@@ -734,9 +752,7 @@ class Planner:
     self.cfg = cfg
     self.dtypes = dict(storage_dtype=storage_dtype, compute_dtype=compute_dtype,
                        cache_dtype=cache_dtype)
-    self.sizes = Itemsizes(storage=np_dtype(storage_dtype).itemsize,
-                           compute=np_dtype(compute_dtype).itemsize,
-                           cache=np_dtype(cache_dtype).itemsize)
+    self.sizes = Itemsizes.of(storage_dtype, compute_dtype, cache_dtype)
     self.device, self.cpu = device, cpu
     # planning for another machine (a GPU profile on a CPU) names its kind; XLA's memory is then
     # read from this backend's compile of the same functions

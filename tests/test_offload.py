@@ -123,6 +123,53 @@ def test_weights_load_once_per_stage_per_token_per_block(pre_ln, gpu_batch_size,
   assert len(result.weight_loads) == 2 + 2  # embed, two layers, head
 
 
+@pytest.mark.parametrize('weights,compress,in_parts', [
+    ('float16', False, True), ('float32', False, False), ('float16', True, False)],
+    ids=['cast_by_the_step', 'computed_as_stored', 'packed'])
+def test_a_split_matrix_reaches_its_step_in_parts_only_where_the_step_casts_it(
+    monkeypatch, weights, compress, in_parts):
+  """float32 compute: float16 weights are cast a tile at a time, so a matrix split across tiers
+  reaches its step as its row parts; float32 ones (and packed ones, dequantized as they load)
+  are one product of the whole matrix, so each load joins them and the step gets it whole.
+  Either way the run is the all-device run's, bit for bit."""
+  from flexjax.config import ModelConfig
+  from flexjax.mover import Mover
+  from flexjax.weights import DummyWeights
+  trees = []
+  real = Mover.load_weights
+
+  def recorded(self, index, *args, **kw):
+    loaded = real(self, index, *args, **kw)
+    trees.append((self.stage_names[index], loaded.params))
+    return loaded
+  monkeypatch.setattr(Mover, 'load_weights', recorded)
+  cfg = ModelConfig(name='parts', num_layers=2, hidden_size=64, num_heads=2, ffn_dim=256,
+                    vocab_size=512, max_positions=32)
+  prompts = [[1, 5, 7], [1, 9, 2], [1, 3, 3], [1, 4, 4]]
+  gen = GenerationConfig(gen_len=3, stop_at_eos=False)
+  runs = []
+  for placement in (dict(w_gpu_percent=100, w_cpu_percent=0),
+                    dict(w_gpu_percent=30, w_cpu_percent=40)):
+    policy = Policy(gpu_batch_size=4, compress_weight=compress, **placement)
+    with Engine(DummyWeights(cfg, weights), policy=policy) as engine:
+      runs.append(engine.generate(prompts, gen, return_logits=True))
+  np.testing.assert_array_equal(runs[1].logits, runs[0].logits)
+  split = {(stage, '/'.join(path)) for stage, tree in trees
+           for path, value in _leaves(tree) if isinstance(value, tuple)}
+  matrices = {name for name in split if not name[0] == 'embed'}
+  assert bool(matrices) is in_parts, split
+  assert any(stage == 'embed' for stage, _ in split), split  # ids gathered from its parts
+
+
+def _leaves(tree, path=()):
+  """(path, value) of a nested dict's leaves; a tuple (a tensor's row parts) is one leaf."""
+  if isinstance(tree, dict):
+    for key, value in tree.items():
+      yield from _leaves(value, (*path, key))
+  else:
+    yield path, tree
+
+
 @pytest.mark.parametrize('compress', [False, True], ids=['as_stored', 'packed'])
 def test_disk_weights_are_staged_within_the_plan(pre_ln, compress):
   # Two GPU batches, two steps in flight, the next stage loading and the one after read ahead.

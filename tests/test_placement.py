@@ -10,6 +10,7 @@ import pytest
 
 from flexjax import config as config_lib
 from flexjax import plan as plan_lib
+from flexjax.model import params as params_lib
 from flexjax.policy import Policy, flexgen_tiers, share_order, split_by_share
 
 SIZES = plan_lib.Itemsizes(storage=2, compute=4, cache=4)
@@ -137,6 +138,50 @@ def test_a_tensor_split_across_tiers_is_used_in_parts_not_joined():
       s.shape for s in split if s.path == ('fc2', 'weight')]
 
 
+@pytest.mark.parametrize('sizes,compress', [
+    (plan_lib.Itemsizes.of('float16', 'float16', 'float16'), False),  # a GPU's default
+    (plan_lib.Itemsizes.of('float32', 'float32', 'float32'), False),  # a float32 checkpoint
+    (SIZES, True),  # packed: dequantized into the compute dtype as it loads
+])
+def test_a_split_matrix_the_step_does_not_cast_is_joined_once_per_load(sizes, compress):
+  """A split matrix that reaches its step in the compute dtype is one product of the whole
+  matrix, so the load joins its parts (the plan counts the joined matrix on the first offloaded
+  part) and the step specs hold it whole, not in parts it would join in every step; the
+  embedding's token table is still gathered from its parts. Equal sizes need not mean no
+  cast: float16 stored and bfloat16 computed still takes the parts."""
+  cfg = config_lib.preset('opt-125m')
+  policy = Policy(w_gpu_percent=30, w_cpu_percent=40, compress_weight=compress)
+  layer = plan_lib.stage_layout(cfg, policy, sizes, 'layer_000')
+  split = [s for s in layer if not s.whole]
+  assert {s.path for s in split} >= {('fc2', 'weight')}
+  assert not any(s.in_parts for s in layer)
+  fc2 = [s for s in split if s.path == ('fc2', 'weight')]
+  first_offloaded = next(s for s in fc2 if s.tier != 'device')
+  whole = math.prod(first_offloaded.full_shape) * (sizes.compute if compress else sizes.storage)
+  assert first_offloaded.join >= whole
+  head = [s for s in plan_lib.stage_layout(cfg, policy, sizes, 'head') if s.path == ('tokens',)]
+  assert len(head) == 3 and not any(s.in_parts for s in head)
+  embed = [s for s in plan_lib.stage_layout(cfg, policy, sizes, 'embed') if s.path == ('tokens',)]
+  table = math.prod(cfg.tokens_shape()) * (sizes.compute if compress else sizes.storage)
+  assert all(s.in_parts for s in embed)  # (a packed device part is still dequantized)
+  assert sum(s.join for s in embed) < table <= sum(s.join for s in head)
+  dtype = 'float16' if sizes.compute == 2 else 'float32'
+  storage = 'float16' if sizes.storage == 2 else 'float32'
+  specs = plan_lib.param_specs(cfg, policy, sizes, dtype, storage, prompt_ids=cfg.vocab_size,
+                               step_ids=1)
+  assert specs['layer']['fc2']['weight'].shape == first_offloaded.full_shape
+  assert specs['head']['tokens'].shape == cfg.tokens_shape()
+  assert isinstance(specs['embed']['tokens'], tuple)
+  assert not any(plan_lib.used_in_place(stage, s, True) for stage, s in
+                 [('layer_000', s) for s in split if s.tier == 'host'] +
+                 [('head', s) for s in head if s.tier == 'host'])
+  bf16 = plan_lib.Itemsizes.of('float16', 'bfloat16', 'bfloat16')
+  assert bf16.storage == bf16.compute and bf16.cast
+  unpacked = dataclasses.replace(policy, compress_weight=False)
+  assert all(s.in_parts for s in plan_lib.stage_layout(cfg, unpacked, bf16, 'layer_000')
+             if not s.whole)
+
+
 def test_on_a_cpu_backend_a_split_matrixs_host_part_is_taken_where_it_lies():
   """plan.used_in_place: the host part of a matrix the step takes in parts (a layer's weight,
   the head's table) is used as placed, with nothing loaded; a split vector's host part is
@@ -152,7 +197,10 @@ def test_on_a_cpu_backend_a_split_matrixs_host_part_is_taken_where_it_lies():
     assert plan_lib.used_in_place(stage, slot, True)
     assert not plan_lib.used_in_place(stage, slot, False)
   vector = dataclasses.replace(host_parts[('layer_000', ('v', 'weight'))], path=('v', 'bias'),
-                               shape=(3,), full_shape=(768,), rows=(0, 3))
+                               shape=(3,), full_shape=(768,), rows=(0, 3),
+                               in_parts=params_lib.used_in_parts('layer_000', ('v', 'bias'),
+                                                                 cast=SIZES.cast))
+  assert not vector.in_parts
   assert not plan_lib.used_in_place('layer_000', vector, True)
 
 

@@ -453,7 +453,7 @@ def of_record(record: dict[str, Any], rates: dict[str, Any]) -> dict[str, Any]:
         device_is_host=str(record.get('device', 'cpu')).startswith('cpu'), **lengths)
   else:
     policy = Policy(**record['policy_fields'])
-    sizes = plan_lib.Itemsizes(storage=2, compute=itemsize(dtype), cache=itemsize(dtype))
+    sizes = plan_lib.Itemsizes.of(record.get('weight_storage_dtype', 'float16'), dtype, dtype)
     works = work_of_policy(cfg, policy, sizes, **lengths)
   return roofline(works, flops_rate=compute_rate(rates, dtype), bandwidths=link_bandwidths(rates),
                   measured={'prefill': record['prefill_s'], 'decode': record['decode_s']})

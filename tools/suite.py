@@ -265,8 +265,7 @@ def flexjax_policy(cfg: config_lib.ModelConfig, case: dict[str, Any]):
 
 
 def _itemsizes(case: dict[str, Any]) -> plan_lib.Itemsizes:
-  compute = config_lib.np_dtype(case['compute_dtype']).itemsize
-  return plan_lib.Itemsizes(storage=2, compute=compute, cache=compute)
+  return plan_lib.Itemsizes.of('float16', case['compute_dtype'], case['compute_dtype'])
 
 
 def _free_disk(folder: str | None) -> int:

@@ -105,7 +105,8 @@ def dense(x: jax.Array, w, dtype) -> jax.Array:
   tiers). The product is then the whole matrix's, value for value: its tiles are the whole's,
   each taken from the part holding it (a tile across a boundary joined from the parts' rows,
   the only copy), so every tile's product has the whole's shape and operands; a prompt's
-  product, and one in the weight's own dtype, joins the parts into the matrix it would read."""
+  product, and one in the weight's own dtype, joins the parts into the matrix it would read
+  (the engine hands such a matrix over joined once per load: params.used_in_parts)."""
   x = x.astype(dtype)
   parts = w if isinstance(w, tuple) else (w,)
   outs, ins = sum(part.shape[0] for part in parts), parts[0].shape[1]

@@ -65,14 +65,20 @@ def stage_names(cfg: ModelConfig) -> list[str]:
   return ['tokens', 'embed'] + [layer_name(i) for i in range(cfg.num_layers)] + ['head']
 
 
-def used_in_parts(stage: str, path: tuple[str, ...]) -> bool:
+def used_in_parts(stage: str, path: tuple[str, ...], *, cast: bool) -> bool:
   """Whether a stage's function takes this tensor, when it is split across tiers, as the tuple
   of its row parts instead of joined: the embedding stage's token table (each id is gathered
-  from the part holding it, exactly as from the whole) and every matrix a step multiplies by,
-  a dense layer's weight or the head's LM head (the tied token table or lm_head), multiplied
-  tile by tile as the whole matrix (model/linear.dense). Loading it then joins nothing."""
-  return (path[-1] == 'weight' or (stage, path) in (
-      ('embed', ('tokens',)), ('head', ('tokens',)), ('head', ('lm_head',))))
+  from the part holding it, exactly as from the whole), and every matrix a step multiplies by,
+  a dense layer's weight or the head's LM head (the tied token table or lm_head), where the
+  step casts it to the compute dtype (`cast`: it arrives in another dtype), a tile at a time,
+  the whole matrix's tiles taken from its parts (model/linear.dense). Loading it then joins
+  nothing. A matrix the step multiplies as it arrives (float16 compute on a GPU, a packed one
+  dequantized as it loads) is one product of the whole matrix, so its parts are joined once per
+  load, not in every step that uses it."""
+  if (stage, path) == ('embed', ('tokens',)):
+    return True
+  return cast and (path[-1] == 'weight' or (stage, path) in (
+      ('head', ('tokens',)), ('head', ('lm_head',))))
 
 
 def gathered(stage: str, path: tuple[str, ...]) -> bool:
