@@ -199,7 +199,7 @@ class Mover:
     # backend, a host-tier one the steps take as it lies (plan.used_in_place)
     self.loads = [{slot for slot, _ in stage if slot.tier != 'device'
                    and not plan_lib.gathers_rows(stage_names[i], slot, prompt_ids)
-                   and not plan_lib.used_in_place(stage_names[i], slot, host_in_place)}
+                   and not plan_lib.used_in_place(slot, host_in_place)}
                   for i, stage in enumerate(stages)]
     # On a CPU backend a stage's unpacked disk tensors become device arrays over its staging
     # buffer (no copy), which then stays with the loaded weights until the steps that used them

@@ -98,7 +98,7 @@ def _place_stage(cfg, stage: str, fetch, policy: Policy, sizes, storage: Storage
         value = jax.device_put(array, storage.device).block_until_ready()  # as stored
       else:
         value = storage.host_weights(array, 'weights.host')
-        if plan_lib.used_in_place(stage, slot, host_in_place):
+        if plan_lib.used_in_place(slot, host_in_place):
           value = storage.in_place(value)
     placed.append((slot, quant_lib.Packed(value, slot.shape[-1], policy.quant)
                    if slot.packed else value))

@@ -73,20 +73,20 @@ class Itemsizes:
   storage: int  # weights on host and disk
   compute: int  # weights on the device, hidden states
   cache: int
-  # whether the steps cast stored weights to the compute dtype (float16 stored, float32
-  # computed); None: where the sizes differ. Equal sizes may still cast (float16 to bfloat16).
-  casts: bool | None = None
+  # whether a step casts an unpacked stored weight to the compute dtype before multiplying
+  # by it (float16 stored, float32 computed); None: where the sizes differ. Equal sizes
+  # may still cast (float16 stored, bfloat16 computed): Itemsizes.of knows the dtypes.
+  cast: bool | None = None
+
+  def __post_init__(self):
+    if self.cast is None:
+      object.__setattr__(self, 'cast', self.storage != self.compute)
 
   @classmethod
   def of(cls, storage_dtype: str, compute_dtype: str, cache_dtype: str) -> 'Itemsizes':
     storage, compute = np_dtype(storage_dtype), np_dtype(compute_dtype)
     return cls(storage=storage.itemsize, compute=compute.itemsize,
-               cache=np_dtype(cache_dtype).itemsize, casts=storage != compute)
-
-  @property
-  def cast(self) -> bool:
-    """Whether a step casts an unpacked stored weight before multiplying by it."""
-    return self.storage != self.compute if self.casts is None else self.casts
+               cache=np_dtype(cache_dtype).itemsize, cast=storage != compute)
 
 
 def stage_names(cfg: ModelConfig) -> list[str]:
@@ -664,7 +664,7 @@ def _as_linear(value) -> Linear:
 
 
 # ---- compiled working memory --------------------------------------------------------------------
-def used_in_place(stage: str, slot: TensorSlot, host_in_place: bool) -> bool:
+def used_in_place(slot: TensorSlot, host_in_place: bool) -> bool:
   """Whether the steps take a host-tier slot as it lies, with nothing loaded, where host-tier
   weights are plain buffers in the device's own RAM (host_in_place: a CPU backend without
   pinned host memory): an unpacked tensor wholly on the host tier, or a part of one the step

@@ -172,9 +172,7 @@ def test_a_split_matrix_the_step_does_not_cast_is_joined_once_per_load(sizes, co
   assert specs['layer']['fc2']['weight'].shape == first_offloaded.full_shape
   assert specs['head']['tokens'].shape == cfg.tokens_shape()
   assert isinstance(specs['embed']['tokens'], tuple)
-  assert not any(plan_lib.used_in_place(stage, s, True) for stage, s in
-                 [('layer_000', s) for s in split if s.tier == 'host'] +
-                 [('head', s) for s in head if s.tier == 'host'])
+  assert not any(plan_lib.used_in_place(s, True) for s in split + head if s.tier == 'host')
   bf16 = plan_lib.Itemsizes.of('float16', 'bfloat16', 'bfloat16')
   assert bf16.storage == bf16.compute and bf16.cast
   unpacked = dataclasses.replace(policy, compress_weight=False)
@@ -193,15 +191,15 @@ def test_on_a_cpu_backend_a_split_matrixs_host_part_is_taken_where_it_lies():
                 if s.tier == 'host' and not s.whole}
   assert {('layer_000', ('v', 'weight')), ('layer_000', ('fc2', 'weight')),
           ('head', ('tokens',))} <= set(host_parts)
-  for (stage, _), slot in host_parts.items():
-    assert plan_lib.used_in_place(stage, slot, True)
-    assert not plan_lib.used_in_place(stage, slot, False)
+  for slot in host_parts.values():
+    assert plan_lib.used_in_place(slot, True)
+    assert not plan_lib.used_in_place(slot, False)
   vector = dataclasses.replace(host_parts[('layer_000', ('v', 'weight'))], path=('v', 'bias'),
                                shape=(3,), full_shape=(768,), rows=(0, 3),
                                in_parts=params_lib.used_in_parts('layer_000', ('v', 'bias'),
                                                                  cast=SIZES.cast))
   assert not vector.in_parts
-  assert not plan_lib.used_in_place('layer_000', vector, True)
+  assert not plan_lib.used_in_place(vector, True)
 
 
 def test_share_order_puts_whole_tensors_below_each_boundary_and_cuts_the_smallest_left():
