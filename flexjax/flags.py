@@ -77,7 +77,8 @@ def define_policy_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float(f'{kind}_gpu_percent', 100, f'Percent of the {what} on the device.', **f)
     flags.DEFINE_float(f'{kind}_cpu_percent', 0, f'Percent of the {what} in host RAM (the rest '
                        'of 100 goes to disk).', **f)
-  flags.DEFINE_bool('overlap', True, 'Overlap loads and stores with compute.', **f)
+  flags.DEFINE_bool('overlap', True, 'Overlap loads and stores with compute (--nooverlap: '
+                    'the report gives each phase\'s seconds per part, breakdown_s).', **f)
   flags.DEFINE_bool('cpu_attention', False, 'Decode attention of host/disk cache rows runs on the '
                     'CPU, next to the cache.', **f)
   flags.DEFINE_string('offload_dir', None, 'Parent folder of the run\'s disk tier (removed at '

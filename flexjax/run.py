@@ -499,6 +499,9 @@ def report(rc: RunConfig, engine: Engine, result: GenerationResult,
       'runtime_counted_peak_bytes': result.peak_bytes,
       'disk_weight_bytes': result.disk_weight_bytes,
       'decode_weight_stream_gbps': round(result.decode_weight_stream / 1e9, 3),
+      **({'breakdown_s': {phase: {part: round(sec, 4) for part, sec in parts.items()}
+                          for phase, parts in result.breakdown.items()}}
+         if result.breakdown else {}),
       'weight_layout': (None if engine.layout is None else
                         {'folder': str(engine.layout.folder),
                          'reads': 'O_DIRECT' if engine.layout.direct else 'buffered'}),

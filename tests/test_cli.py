@@ -119,6 +119,23 @@ def test_main_runs_the_default_flagfile_and_writes_outputs(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ['gen.jsonl', 'reports']
 
 
+def test_a_run_without_overlap_reports_its_seconds_per_part(tmp_path):
+  """--nooverlap: the report breaks each phase down by part (weights all on disk, so their
+  reads take time), the parts adding up to no more than the phase; with overlap, no breakdown."""
+  flagfile = f'--flagfile={REPO / "configs/opt125m.flags"}'
+  small = ('--prompt_len=8', '--gen_len=3', '--gpu_batch_size=2', '--num_prompts=2',
+           '--w_gpu_percent=0', '--w_cpu_percent=0', f'--offload_dir={tmp_path}')
+  _, report = run_report(tmp_path, flagfile, *small, '--nooverlap')
+  for phase, total in (('prefill', report['prefill_s']), ('decode', report['decode_s'])):
+    parts = report['breakdown_s'][phase]
+    assert parts['total'] == total
+    assert sum(v for k, v in parts.items() if k != 'total') <= total + 1e-3
+    assert parts['compute'] > 0 and parts['weight_read'] > 0
+    assert parts['cache_read'] == 0  # the cache is on the device
+  _, overlapped = run_report(tmp_path, flagfile, *small)
+  assert 'breakdown_s' not in overlapped
+
+
 def test_a_second_run_loads_its_compiled_steps_from_the_compile_cache(tmp_path):
   """--compile_cache (the default) keeps XLA's executables in the flexjax cache folder: a
   second run of the same model compiles its steps no more (jax's log of cache hits, asked for
