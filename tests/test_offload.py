@@ -291,6 +291,26 @@ def test_buffer_pool_keeps_free_buffers_only_within_its_limit():
   assert big.nbytes == 2 * 4096
 
 
+def test_a_fresh_pool_buffer_has_every_page_backed_before_it_is_read_into():
+  """A buffer the pool makes is backed page by page as it is made, so direct reads into it
+  never fault pages in: filling it faults in a small share of what filling a buffer left to its
+  first use does (the kernel's count of this process's page faults)."""
+  import resource
+
+  from flexjax import diskio
+  from flexjax.mover import BufferPool
+
+  def faults_to_fill(buffer) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffer.fill(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+  nbytes = 64 << 20
+  left = faults_to_fill(diskio.aligned_buffer(nbytes))
+  pooled = faults_to_fill(BufferPool().take(nbytes))
+  assert left >= 16 and pooled * 4 < left, (pooled, left)
+
+
 def test_decode_reads_the_cache_into_a_few_reused_buffers(pre_ln, reference, tmp_path,
                                                          monkeypatch):
   """A run with its cache on disk reads every decode step's K and V rows into buffers of the
