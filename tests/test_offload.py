@@ -294,16 +294,16 @@ def test_buffer_pool_keeps_free_buffers_only_within_its_limit():
 def test_a_fresh_pool_buffer_has_every_page_backed_before_it_is_read_into():
   """A buffer the pool makes is backed page by page as it is made, so direct reads into it
   never fault pages in: filling it faults in a small share of what filling a buffer left to its
-  first use does (the kernel's count of this process's page faults)."""
+  first use does (the kernel's count of this thread's page faults)."""
   import resource
 
   from flexjax import diskio
   from flexjax.mover import BufferPool
 
   def faults_to_fill(buffer) -> int:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     buffer.fill(1)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
 
   nbytes = 64 << 20
   left = faults_to_fill(diskio.aligned_buffer(nbytes))
