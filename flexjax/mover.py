@@ -8,7 +8,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import math
-import mmap
 import threading
 import time
 
@@ -92,10 +91,7 @@ class BufferPool:
   or, on a CPU backend, its tensors split across tiers joined into one array each. A fresh
   buffer is faulted in and zeroed by the kernel on first touch, which costs as much CPU as the
   read or copy that fills it (on a 2-core VM: 3 GB/s into fresh buffers, 5 GB/s into reused
-  ones). So a fresh buffer is touched page by page when it is made: a direct read into pages
-  no CPU write had backed ran at a third of the disk's rate, at every read and not only the
-  first (opt-1.3b, 32 x 128, 85% of the weights on disk: the head's 175 MB of token table read
-  in 0.14-0.28 s against 0.08-0.11 s, the decode step 13% faster). A buffer is reused once
+  ones; diskio.aligned_buffer backs every page as it makes one). A buffer is reused once
   every array using it is ready: nothing (a GPU copies it while loading) or the outputs of the
   steps that used the stage's weights (a CPU backend computes on it). Buffers in use are
   bounded by the schedule; with a `limit` the free ones kept beside them are too (the oldest go
@@ -119,9 +115,7 @@ class BufferPool:
       while self._free and self.limit is not None and self._held + nbytes > self.limit:
         self._held -= self._free.popitem(last=False)[1].nbytes  # oldest first, to the kernel
       self._held += nbytes
-    buffer = diskio.aligned_buffer(nbytes)
-    buffer[::mmap.PAGESIZE] = 0  # every page backed now (see the class doc)
-    return buffer
+    return diskio.aligned_buffer(nbytes)
 
   @property
   def held(self) -> int:
