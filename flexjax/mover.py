@@ -214,7 +214,12 @@ class Mover:
                           for loads in self.loads]
     self.staging_bytes = max((sum(t.padded for _, t in self._disk_reads(i))
                               for i in range(len(stages))), default=0)
-    self.staging = BufferPool()
+    # Each stage's disk tensors are read into a buffer of their own size (every page of it is
+    # backed as it is made: diskio.aligned_buffer), reused by stages of that size. The plan
+    # counts a staging buffer of the largest stage's size per stage read (and read ahead) and,
+    # on a CPU backend, per stage loaded: the pool keeps no more than those.
+    kept = plan_lib.stages_loaded(policy.overlap) if any(self.keeps_staging) else 0
+    self.staging = BufferPool(((2 if read_ahead else 1) + kept) * self.staging_bytes)
     # On a CPU backend the arrays split tensors are joined into, kept within the plan's joins
     # of the stages loaded at once.
     self.joins = BufferPool(plan_lib.stages_loaded(policy.overlap) * max(
@@ -268,7 +273,7 @@ class Mover:
       return None
     nbytes = sum(t.padded for _, t in tensors)
     self.storage.reserve('host', nbytes, 'weights.staging')
-    buffer = self.staging.take(self.staging_bytes)
+    buffer = self.staging.take(nbytes)
     parts, offset = {}, 0
     for slot, t in tensors:
       part = buffer[offset:offset + t.padded]
