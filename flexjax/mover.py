@@ -27,6 +27,8 @@ from flexjax.storage import SplitArray, Storage
 
 BREAKDOWN_PARTS = ('compute', 'weight_read', 'cache_read', 'cache_write', 'hidden_read',
                    'hidden_write')
+# Staging buffers are made in multiples of this many bytes (at most the largest stage's size).
+STAGING_STEP = 1 << 20
 
 
 class Clock:
@@ -214,8 +216,9 @@ class Mover:
                           for loads in self.loads]
     self.staging_bytes = max((sum(t.padded for _, t in self._disk_reads(i))
                               for i in range(len(stages))), default=0)
-    # Each stage's disk tensors are read into a buffer of their own size (every page of it is
-    # backed as it is made: diskio.aligned_buffer), reused by stages of that size. The plan
+    # Each stage's disk tensors are read into a buffer of their own size, rounded up to
+    # STAGING_STEP so that stages of nearly one size share buffers (every page of one is backed
+    # as it is made: diskio.aligned_buffer). The plan
     # counts a staging buffer of the largest stage's size per stage read (and read ahead) and,
     # on a CPU backend, per stage loaded: the pool keeps no more than those.
     kept = plan_lib.stages_loaded(policy.overlap) if any(self.keeps_staging) else 0
@@ -273,7 +276,8 @@ class Mover:
       return None
     nbytes = sum(t.padded for _, t in tensors)
     self.storage.reserve('host', nbytes, 'weights.staging')
-    buffer = self.staging.take(nbytes)
+    buffer = self.staging.take(min(self.staging_bytes,
+                                   -(-nbytes // STAGING_STEP) * STAGING_STEP))
     parts, offset = {}, 0
     for slot, t in tensors:
       part = buffer[offset:offset + t.padded]

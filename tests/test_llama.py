@@ -101,7 +101,7 @@ def _rope_cfg(**kw):
 
 
 def test_rotation_from_its_table_equals_the_computed_rotation():
-  """The looked-up cos and sin give the rotation the step computes (float32, within two ulps);
+  """The looked-up cos and sin give the rotation the step computes (float32, within 2e-6);
   padding's position -1 gives finite values; past the table's size the step computes them."""
   cfg = _rope_cfg()
   rng = np.random.default_rng(0)
