@@ -14,6 +14,7 @@ from flexjax.errors import FlexjaxError
 from flexjax.hardware import HOST_MEMORY
 from flexjax.policy import PLACEMENTS, Policy
 from flexjax.run import RunConfig
+from flexjax.stopping import STOP_GRACE_S
 
 def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   """Defines flexjax's flags on `fv`."""
@@ -53,6 +54,10 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                     'every block pads to the longest prompt and output).', **f)
   flags.DEFINE_bool('progress', True, 'Progress bars on a terminal (--noprogress: none).', **f)
   flags.DEFINE_string('report_json', None, 'Also write the report as JSON to this file.', **f)
+  flags.DEFINE_float('stop_grace_s', None, 'Seconds a run told to stop (SIGTERM, SIGHUP, Ctrl-C) '
+                     'may take to unwind before it ends at once, without its clean-up, in one '
+                     f'line (default {STOP_GRACE_S:g}); keep it below the kill timeout of '
+                     'whatever stops the run.', **f)
   define_policy_flags(fv)
 
 
@@ -128,6 +133,17 @@ def budgets_from_flags(fv: flags.FlagValues = flags.FLAGS) -> dict[str, int | No
                          'limit)')
     budgets[tier] = None if value is None else int(value * 2**30)
   return budgets
+
+
+def stop_grace_from_flags(fv: flags.FlagValues = flags.FLAGS) -> float:
+  """--stop_grace_s, checked (STOP_GRACE_S where not given); raises FlexjaxError naming it."""
+  value = fv.stop_grace_s
+  if value is None:
+    return STOP_GRACE_S
+  if not 0 < value < float('inf'):
+    raise FlexjaxError(f'--stop_grace_s={value:g} must be a positive number of seconds, e.g. '
+                       f'{STOP_GRACE_S:g}')
+  return value
 
 
 def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:

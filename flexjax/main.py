@@ -27,6 +27,9 @@ def main(argv, stop: StopWatch | None = None) -> int:
   from flexjax.run import check_paths, run, use_compile_cache
   rc = None
   try:
+    grace_s = flags_lib.stop_grace_from_flags()
+    if stop is not None and flags.FLAGS.stop_grace_s is not None:
+      stop.grace_s = grace_s
     rc = flags_lib.run_config_from_flags()
     if stop is not None:
       stop.kept = kept(rc.input, rc.output)
@@ -76,8 +79,8 @@ def _shown(value) -> str:
 
 
 def entry(grace_s: float = STOP_GRACE_S) -> None:
-  """SIGTERM and Ctrl-C unwind the run; a run that has not ended `grace_s` after them ends
-  without its clean-up (flexjax.stopping)."""
+  """SIGTERM and Ctrl-C unwind the run; a run that has not ended `grace_s` after them
+  (--stop_grace_s where given) ends without its clean-up (flexjax.stopping)."""
   stop = StopWatch(grace_s)
   flags_lib.define_flags()
   app.run(functools.partial(main, stop=stop), flags_parser=flags_parser('flexjax'))

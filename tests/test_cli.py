@@ -89,6 +89,18 @@ def test_bad_flags_are_refused_in_process(args, message):
     flags_lib.run_config_from_flags(parse(*args))
 
 
+@pytest.mark.parametrize('value', ['0', '-1', 'inf'])
+def test_a_stop_grace_time_that_is_no_time_is_refused(value):
+  with pytest.raises(FlexjaxError, match=re.escape(f'--stop_grace_s={float(value):g} must be')):
+    flags_lib.stop_grace_from_flags(parse(f'--stop_grace_s={value}'))
+
+
+def test_the_stop_grace_time_is_the_flags_or_the_default():
+  from flexjax.stopping import STOP_GRACE_S
+  assert flags_lib.stop_grace_from_flags(parse()) == STOP_GRACE_S
+  assert flags_lib.stop_grace_from_flags(parse('--stop_grace_s=2.5')) == 2.5
+
+
 def run_cli(*args, cwd=None):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   return subprocess.run([sys.executable, '-m', 'flexjax.main', *args], capture_output=True,

@@ -169,7 +169,8 @@ def job_command(ckpt, rows: Path, out: Path) -> list[str]:
 def stuck_after(command: list[str], out: Path, lines: int, grace_s: float) -> list[str]:
   """`python -m flexjax.main ARGS` as a run whose main thread hangs in native code, as on a step
   that never finishes (a mutex it holds locked again), at its first step once `out` has `lines`
-  lines; it then makes `out`.stuck. It stops with `grace_s` of grace (flexjax.stopping)."""
+  lines; it then makes `out`.stuck. It stops with `grace_s` of grace, given as --stop_grace_s
+  (flexjax.stopping)."""
   python, flag, module, *args = command
   assert (flag, module) == ('-m', 'flexjax.main'), command
   return [python, '-c', f'''
@@ -185,8 +186,8 @@ def hung(self, *args, **kwargs):
     libc.pthread_mutex_lock(mutex)
   return compute(self, *args, **kwargs)
 executor.Executor._compute = hung
-sys.argv = {[module, *args]!r}
-main.entry(grace_s={grace_s})
+sys.argv = {[module, *args, f'--stop_grace_s={grace_s:g}']!r}
+main.entry()
 ''']
 
 
