@@ -135,11 +135,12 @@ def budgets_from_flags(fv: flags.FlagValues = flags.FLAGS) -> dict[str, int | No
   return budgets
 
 
-def stop_grace_from_flags(fv: flags.FlagValues = flags.FLAGS) -> float:
-  """--stop_grace_s, checked (STOP_GRACE_S where not given); raises FlexjaxError naming it."""
+def stop_grace_from_flags(fv: flags.FlagValues = flags.FLAGS,
+                          default: float = STOP_GRACE_S) -> float:
+  """--stop_grace_s, checked (`default` where not given); raises FlexjaxError naming it."""
   value = fv.stop_grace_s
   if value is None:
-    return STOP_GRACE_S
+    return default
   if not 0 < value < float('inf'):
     raise FlexjaxError(f'--stop_grace_s={value:g} must be a positive number of seconds, e.g. '
                        f'{STOP_GRACE_S:g}')

@@ -27,8 +27,8 @@ def main(argv, stop: StopWatch | None = None) -> int:
   from flexjax.run import check_paths, run, use_compile_cache
   rc = None
   try:
-    grace_s = flags_lib.stop_grace_from_flags()
-    if stop is not None and flags.FLAGS.stop_grace_s is not None:
+    grace_s = flags_lib.stop_grace_from_flags(default=stop.grace_s if stop else STOP_GRACE_S)
+    if stop is not None:
       stop.grace_s = grace_s
     rc = flags_lib.run_config_from_flags()
     if stop is not None:

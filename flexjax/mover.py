@@ -218,9 +218,9 @@ class Mover:
                               for i in range(len(stages))), default=0)
     # Each stage's disk tensors are read into a buffer of their own size, rounded up to
     # STAGING_STEP so that stages of nearly one size share buffers (every page of one is backed
-    # as it is made: diskio.aligned_buffer). The plan
-    # counts a staging buffer of the largest stage's size per stage read (and read ahead) and,
-    # on a CPU backend, per stage loaded: the pool keeps no more than those.
+    # as it is made: diskio.aligned_buffer). The plan counts a staging buffer of the largest
+    # stage's size per stage read (and read ahead) and, on a CPU backend, per stage loaded: the
+    # pool keeps no more than those.
     kept = plan_lib.stages_loaded(policy.overlap) if any(self.keeps_staging) else 0
     self.staging = BufferPool(((2 if read_ahead else 1) + kept) * self.staging_bytes)
     # On a CPU backend the arrays split tensors are joined into, kept within the plan's joins
@@ -276,8 +276,7 @@ class Mover:
       return None
     nbytes = sum(t.padded for _, t in tensors)
     self.storage.reserve('host', nbytes, 'weights.staging')
-    buffer = self.staging.take(min(self.staging_bytes,
-                                   -(-nbytes // STAGING_STEP) * STAGING_STEP))
+    buffer = self.staging.take(min(self.staging_bytes, diskio.align_up(nbytes, STAGING_STEP)))
     parts, offset = {}, 0
     for slot, t in tensors:
       part = buffer[offset:offset + t.padded]

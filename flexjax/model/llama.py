@@ -64,33 +64,48 @@ def _llama3_frequencies(inv: np.ndarray, s: dict) -> np.ndarray:
 ROTARY_TABLE_ENTRIES = 1 << 20
 
 
+def _angles(positions, cfg: ModelConfig, xp=jnp):
+  """Rotary angles of `positions` in float32, [..., head_dim] (each frequency twice, as the
+  rotate-half convention pairs dims i and i + d/2); xp: numpy or jax.numpy."""
+  angles = positions.astype(np.float32)[..., None] * inverse_frequencies(cfg)  # [..., d/2]
+  return xp.concatenate([angles, angles], axis=-1)
+
+
 def rotary_table(cfg: ModelConfig, length: int) -> np.ndarray:
   """cos and sin of the rotary angles of positions 0 .. length - 1: [2, length, head_dim]
-  float32 (angles in float32, as in the step)."""
-  angles = np.arange(length, dtype=np.float32)[:, None] * inverse_frequencies(cfg)  # [n, d/2]
-  angles = np.concatenate([angles, angles], axis=-1)
+  float32."""
+  angles = _angles(np.arange(length), cfg, np)
   return np.stack([np.cos(angles), np.sin(angles)]).astype(np.float32)
+
+
+def rotary(positions: jax.Array, cfg: ModelConfig,
+           length: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles of `positions` [...] int32 (each below `length` where
+  given), float32 [..., 1, head_dim] to broadcast over heads.
+
+  Where `length` is given and the table is small (ROTARY_TABLE_ENTRIES), they are looked up in
+  rotary_table, a constant of the step; else computed in the step. XLA:CPU fuses a computed cos
+  and sin into the rotation and computes them again for every head (a SmolLM2 prompt step of
+  32 x 128: 11 of its ~145 ms in q's rotation, 1-2 ms in k's, under 1 with the table). A
+  position outside [0, length) (padding's -1) takes the nearest row: nothing reads a padding
+  position's result."""
+  if length is not None and length * cfg.head_dim <= ROTARY_TABLE_ENTRIES:
+    cos, sin = (jnp.take(t, positions, axis=0, mode='clip') for t in rotary_table(cfg, length))
+  else:
+    angles = _angles(positions, cfg)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+  return cos[..., None, :], sin[..., None, :]
 
 
 def rotate(x: jax.Array, positions: jax.Array, cfg: ModelConfig,
            length: int | None = None) -> jax.Array:
   """Rotary embedding, rotate-half convention. x: [..., heads, head_dim]; positions: x's
-  leading shape [...] int32, each below `length` where given. Angles in float32, the result in
-  x's dtype.
+  leading shape [...] int32, each below `length` where given (rotary). Angles in float32, the
+  result in x's dtype."""
+  return _rotated(x, *rotary(positions, cfg, length))
 
-  Where `length` is given and the table is small (ROTARY_TABLE_ENTRIES), each position's cos
-  and sin are looked up in rotary_table, a constant of the step; else they are computed in the
-  step. XLA:CPU fuses a computed cos and sin into the product with x and computes them again
-  for every head (a SmolLM2 prompt step of 32 x 128: 11 of its ~145 ms in q's rotation, 1-2 ms
-  in k's, under 1 with the table). A position outside [0, length) (padding's -1) takes the
-  nearest row: nothing reads a padding position's result."""
-  if length is not None and length * cfg.head_dim <= ROTARY_TABLE_ENTRIES:
-    table = rotary_table(cfg, length)
-    cos, sin = (jnp.take(t, positions, axis=0, mode='clip')[..., None, :] for t in table)
-  else:
-    angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies(cfg)  # [..., d/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., 1, d]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+def _rotated(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
@@ -116,9 +131,10 @@ def head(params: Params, x: jax.Array, *, cfg: ModelConfig, compute_dtype) -> ja
 
 def _qkv(p: Params, x: jax.Array, positions: jax.Array, cfg: ModelConfig, length: int):
   """Rotated, scaled q [..., q_dim] and rotated k, v [..., kv_dim]; positions: x's leading
-  shape, each below `length`."""
-  q = rotate(attention.heads(linear.layer(p['q'], x), cfg.num_heads, cfg), positions, cfg, length)
-  k = rotate(attention.heads(linear.layer(p['k'], x), cfg.kv_heads, cfg), positions, cfg, length)
+  shape, each below `length` (their cos and sin found once for q and k)."""
+  cos, sin = rotary(positions, cfg, length)
+  q = _rotated(attention.heads(linear.layer(p['q'], x), cfg.num_heads, cfg), cos, sin)
+  k = _rotated(attention.heads(linear.layer(p['k'], x), cfg.kv_heads, cfg), cos, sin)
   q = q.reshape(*x.shape[:-1], cfg.q_dim) * (cfg.head_dim ** -0.5)
   return q, k.reshape(*x.shape[:-1], cfg.kv_dim), linear.layer(p['v'], x)
 
