@@ -215,3 +215,49 @@ def test_a_long_llama_prompt_step_keeps_xlas_products_and_runs_every_layer():
   done = subprocess.run([sys.executable, '-c', _LLAMA_LONG_PROMPT], capture_output=True,
                         text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert done.returncode == 0 and done.stdout.strip().endswith('same'), done.stderr[-3000:]
+
+
+def _dots(fn, *args) -> int:
+  return jax.jit(fn).lower(*args).as_text().count('dot_general')
+
+
+@pytest.mark.parametrize('rows', [1, 8, 32])
+@pytest.mark.parametrize('split_q', [False, True])
+def test_stacked_layers_are_each_layers_own_products_value_for_value(rows, split_q):
+  """q, k and v (or gate and up) on one input as one product of their stacked rows: fewer
+  products, every output its own layer's up to float32 summation order, and a split weight's
+  row parts give exactly the whole weight's stacked products."""
+  rng = np.random.default_rng(3)
+  cols = 64
+  weight = lambda n: jnp.asarray(rng.standard_normal((n, cols)) / 8, jnp.float16)  # noqa: E731
+  q = weight(96)
+  ps = [{'weight': _parts(q, (37,)) if split_q else q},
+        {'weight': weight(32), 'bias': jnp.asarray(rng.standard_normal(32), jnp.float32)},
+        {'weight': weight(40)}]
+  x = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
+  got = jax.jit(linear.stacked_layers)(ps, x)
+  want = jax.jit(lambda ps, x: [linear.layer(p, x) for p in ps])(ps, x)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+  if split_q:
+    whole = jax.jit(linear.stacked_layers)([{**ps[0], 'weight': q}, *ps[1:]], x)
+    for g, w in zip(got, whole):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert _dots(linear.stacked_layers, ps, x) < _dots(
+      lambda ps, x: [linear.layer(p, x) for p in ps], ps, x)
+
+
+@pytest.mark.parametrize('case', ['prompt_rows', 'compute_dtype_weights'])
+def test_stacked_layers_keep_one_product_each_where_stacking_would_join_whole_matrices(case):
+  """A prompt's rows (the whole matrices cast) and weights already in the compute dtype run one
+  product per layer, as linear.layer does."""
+  rng = np.random.default_rng(4)
+  dtype = jnp.float32 if case == 'compute_dtype_weights' else jnp.float16
+  ps = [{'weight': jnp.asarray(rng.standard_normal((n, 16)), dtype)} for n in (24, 8)]
+  rows = linear.CAST_ALL_ROWS if case == 'prompt_rows' else 4
+  x = jnp.asarray(rng.standard_normal((rows, 16)), jnp.float32)
+  separate = lambda ps, x: [linear.layer(p, x) for p in ps]  # noqa: E731
+  for g, w in zip(jax.jit(linear.stacked_layers)(ps, x), jax.jit(separate)(ps, x)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert _dots(linear.stacked_layers, ps, x) == _dots(separate, ps, x) == 2
