@@ -9,7 +9,8 @@ AVX-512 CPU: 35 ms against 53 ms for tiles of an [in, out] kernel, and torch's 4
 weights). Each output is one tile's, so nothing sums across tiles.
 The tiles' outputs are the loop's own results, stacked as it runs, not written into a
 zero-filled matrix the loop carries: XLA copied such a matrix for every product sharing its
-shape (six in a SmolLM2 decode layer of 32 rows, 0.3 of its 3.9 ms; 3.3-3.7 ms without them).
+shape (six in a SmolLM2 decode layer of 32 rows, 0.3 of its 3.9 ms in tools.layer_bench; 3.3-3.7
+ms without them).
 A product of many rows (a prompt, CAST_ALL_ROWS or more) casts the whole matrix once and is one
 product x @ W^T: the cast is then a small share of the work (300-330 GFLOP/s on the AVX-512 CPU
 for 4096 rows, against 200-300 for blocks of 1024 rows or tiles of W).
@@ -177,32 +178,6 @@ def take_rows(table, ids: jax.Array) -> jax.Array:
     inside = ((local >= 0) & (local < part.shape[0]))[..., None]
     out = rows if out is None else jnp.where(inside, rows, out)
   return out
-
-
-def stacked_layers(ps: list[dict], x: jax.Array) -> list[jax.Array]:
-  """Dense layers on one x (linear.layer of each p), as one few-row product of their weights
-  stacked by rows where every weight is cast in the step: the weights are the row parts of one
-  matrix (dense), so the tiles run across the layers' boundaries and a tile across one is the
-  only join. Each output is one tile row's sum over the same inputs, as in its own layer's
-  product, up to the summation order XLA picks for the product's shape (equal value for value
-  at SmolLM2's shapes, within a few float32 ulps at others). Every placement runs the same
-  stacked products (a weight split across tiers is more row parts of the same matrix), so
-  offloaded runs still equal the all-device run exactly.
-
-  Fewer, larger products where XLA:CPU's cost per product is a large share of a narrow layer's:
-  a SmolLM2 decode layer of 32 rows (q, k, v stacked, and gate, up) 3.1 -> 2.8 ms on the 2-core
-  Xeon. Not for OPT's: stacked, q, k and v of opt-1.3b become one 2048-row tile each and its
-  decode layer slowed 25 -> 36 ms. A prompt's many rows (CAST_ALL_ROWS), and weights in the
-  compute dtype, keep one product per layer: a stacking would only add a join of whole
-  matrices (SmolLM2's prompt layer of 32 x 128: 132-139 ms either way)."""
-  weights = [p['weight'] if isinstance(p['weight'], tuple) else (p['weight'],) for p in ps]
-  rows = math.prod(x.shape[:-1])
-  if rows >= CAST_ALL_ROWS or any(w.dtype == x.dtype for parts in weights for w in parts):
-    return [layer(p, x) for p in ps]
-  y = dense(x, tuple(w for parts in weights for w in parts), x.dtype)
-  ends = np.cumsum([sum(w.shape[0] for w in parts) for parts in weights]).tolist()
-  return [y[..., lo:hi] + p['bias'] if 'bias' in p else y[..., lo:hi]
-          for p, lo, hi in zip(ps, [0] + ends[:-1], ends)]
 
 
 def layer(p: dict, x: jax.Array) -> jax.Array:

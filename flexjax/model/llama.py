@@ -133,18 +133,16 @@ def _qkv(p: Params, x: jax.Array, positions: jax.Array, cfg: ModelConfig, length
   """Rotated, scaled q [..., q_dim] and rotated k, v [..., kv_dim]; positions: x's leading
   shape, each below `length` (their cos and sin found once for q and k)."""
   cos, sin = rotary(positions, cfg, length)
-  q, k, v = linear.stacked_layers([p['q'], p['k'], p['v']], x)
-  q = _rotated(attention.heads(q, cfg.num_heads, cfg), cos, sin)
-  k = _rotated(attention.heads(k, cfg.kv_heads, cfg), cos, sin)
+  q = _rotated(attention.heads(linear.layer(p['q'], x), cfg.num_heads, cfg), cos, sin)
+  k = _rotated(attention.heads(linear.layer(p['k'], x), cfg.kv_heads, cfg), cos, sin)
   q = q.reshape(*x.shape[:-1], cfg.q_dim) * (cfg.head_dim ** -0.5)
-  return q, k.reshape(*x.shape[:-1], cfg.kv_dim), v
+  return q, k.reshape(*x.shape[:-1], cfg.kv_dim), linear.layer(p['v'], x)
 
 
 def _mlp_block(p: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
   """Residual SwiGLU MLP: x + down(silu(gate(h)) * up(h)), h = RMSNorm(x)."""
   h = rms_norm(p['mlp_norm']['scale'], x, cfg.rms_norm_eps)
-  gate, up = linear.stacked_layers([p['gate'], p['up']], h)
-  gated = jax.nn.silu(gate) * up
+  gated = jax.nn.silu(linear.layer(p['gate'], h)) * linear.layer(p['up'], h)
   return x + linear.layer(p['down'], gated)
 
 
