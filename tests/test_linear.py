@@ -215,4 +215,3 @@ def test_a_long_llama_prompt_step_keeps_xlas_products_and_runs_every_layer():
   done = subprocess.run([sys.executable, '-c', _LLAMA_LONG_PROMPT], capture_output=True,
                         text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert done.returncode == 0 and done.stdout.strip().endswith('same'), done.stderr[-3000:]
-
