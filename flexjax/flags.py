@@ -147,6 +147,14 @@ def stop_grace_from_flags(fv: flags.FlagValues = flags.FLAGS,
   return value
 
 
+def use_stop_grace(stop, fv: flags.FlagValues = flags.FLAGS) -> None:
+  """Checks --stop_grace_s (raises FlexjaxError naming it) and gives it to `stop`, a
+  flexjax.stopping.StopWatch whose own grace time is the default; with no watch, only checks."""
+  grace_s = stop_grace_from_flags(fv, default=stop.grace_s if stop else STOP_GRACE_S)
+  if stop is not None:
+    stop.grace_s = grace_s
+
+
 def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
   """Validates parsed flags into a RunConfig; raises FlexjaxError naming the bad value."""
   for name in ('prompt_len', 'gen_len', 'gpu_batch_size', 'num_gpu_batches', 'num_prompts',

@@ -50,13 +50,12 @@ def define_launch_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
 def main(argv, stop: StopWatch | None = None) -> int:
   from flexjax.main import interrupted, kept
   try:
-    grace_s = flags_lib.stop_grace_from_flags()
+    flags_lib.use_stop_grace(stop)
   except FlexjaxError as e:
     print(f'flexjax: error: {e}', file=sys.stderr)
     return 2
   if stop is not None:
     stop.kept = kept(flags.FLAGS.input, flags.FLAGS.output)
-    stop.grace_s = grace_s
   try:
     return _main(argv)
   except KeyboardInterrupt:  # the stages were stopped; a job's synced outputs stay

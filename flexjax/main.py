@@ -27,9 +27,7 @@ def main(argv, stop: StopWatch | None = None) -> int:
   from flexjax.run import check_paths, run, use_compile_cache
   rc = None
   try:
-    grace_s = flags_lib.stop_grace_from_flags(default=stop.grace_s if stop else STOP_GRACE_S)
-    if stop is not None:
-      stop.grace_s = grace_s
+    flags_lib.use_stop_grace(stop)
     rc = flags_lib.run_config_from_flags()
     if stop is not None:
       stop.kept = kept(rc.input, rc.output)

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 import tempfile
 from pathlib import Path
 
@@ -99,6 +100,17 @@ def test_the_stop_grace_time_is_the_flags_or_the_default():
   from flexjax.stopping import STOP_GRACE_S
   assert flags_lib.stop_grace_from_flags(parse()) == STOP_GRACE_S
   assert flags_lib.stop_grace_from_flags(parse('--stop_grace_s=2.5')) == 2.5
+
+
+def test_a_stop_watch_takes_the_flags_grace_time_or_keeps_its_own():
+  stop = types.SimpleNamespace(grace_s=7.0)  # a StopWatch's grace time (a real one installs
+  # signal handlers in this process)
+  flags_lib.use_stop_grace(stop, parse())
+  assert stop.grace_s == 7.0
+  flags_lib.use_stop_grace(stop, parse('--stop_grace_s=2.5'))
+  assert stop.grace_s == 2.5
+  with pytest.raises(FlexjaxError, match=re.escape('--stop_grace_s=0 must be')):
+    flags_lib.use_stop_grace(None, parse('--stop_grace_s=0'))
 
 
 def run_cli(*args, cwd=None):
