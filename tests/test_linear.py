@@ -215,3 +215,23 @@ def test_a_long_llama_prompt_step_keeps_xlas_products_and_runs_every_layer():
   done = subprocess.run([sys.executable, '-c', _LLAMA_LONG_PROMPT], capture_output=True,
                         text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert done.returncode == 0 and done.stdout.strip().endswith('same'), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize('cuts', [(), (288,), (301,)])
+def test_a_small_matrixs_tiles_run_unrolled_as_the_same_products(cuts):
+  """A matrix of at most UNROLL_ELEMENTS weights (SmolLM2's 576 x 576) runs its tiles without a
+  loop; each tile's outputs are still that tile's own product, bit for bit, whole or in row
+  parts (a boundary on or inside a tile)."""
+  rows, cols = 576, 576
+  assert rows * cols <= linear.UNROLL_ELEMENTS
+  r = linear.tile_rows(rows, cols)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((32, 1, cols)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((rows, cols)) / np.sqrt(cols), jnp.float16)
+  fn = jax.jit(lambda x, w: linear.dense(x, w, jnp.float32))
+  w_in = _parts(w, cuts) if cuts else w
+  assert ' while(' not in fn.lower(x, w_in).compile().as_text()  # no loop instruction
+  got = np.asarray(fn(x, w_in))
+  tile = jax.jit(lambda x, w: (w.astype(jnp.float32) @ x.reshape(-1, cols).T).T)
+  want = np.concatenate([np.asarray(tile(x, w[t:t + r])) for t in range(0, rows, r)], axis=1)
+  np.testing.assert_array_equal(got.reshape(32, rows), want)
