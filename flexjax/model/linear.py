@@ -44,10 +44,10 @@ import numpy as np
 TILE_ELEMENTS = 1 << 22
 # Weights of a matrix whose few-row product runs its tiles unrolled, no loop: 4 MiB in float32.
 # The tiles' casts and products are then independent operations, which XLA:CPU runs on both
-# cores at once (the casts first, all of them alive together: a larger matrix's would not stay
-# in cache). SmolLM2's 576-wide decode layers of 32 rows, 30 in a row with their weights and
-# caches in DRAM: 121-129 -> 106-115 ms; opt-1.3b's matrices (4-16 Mi weights) unrolled slowed
-# its decode layer from 28 to 64-68 ms.
+# cores at once. SmolLM2's 576-wide decode layers of 32 rows, 30 in a row with their weights
+# and caches in DRAM: 126-134 -> 106-128 ms (best of 8 runs, 7 alternated pairs). XLA casts
+# every tile first, all of them alive together: opt-1.3b's matrices (4-16 Mi weights) unrolled
+# slowed its decode layer from 28 to 64-68 ms.
 UNROLL_ELEMENTS = 1 << 20
 CAST_ALL_ROWS = 1024  # rows from which a product casts the whole matrix
 LIBRARY_ROWS = 4096  # rows from which a prompt step's products run in oneDNN on XLA:CPU
