@@ -6,8 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 import tempfile
+import types
 from pathlib import Path
 
 import pytest

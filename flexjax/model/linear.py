@@ -7,12 +7,12 @@ it is in cache, and XLA:CPU's product of a wide matrix with a few columns runs n
 where x @ W^T with few rows does not (a 4096 x 16384 float16 weight, 32 rows, on the 2-core
 AVX-512 CPU: 35 ms against 53 ms for tiles of an [in, out] kernel, and torch's 43 ms for float32
 weights). Each output is one tile's, so nothing sums across tiles.
-A matrix of at most UNROLL_ELEMENTS weights (a narrow model's) runs its tiles unrolled, so that
-XLA:CPU runs their casts and products side by side on its threads.
 The tiles' outputs are the loop's own results, stacked as it runs, not written into a
 zero-filled matrix the loop carries: XLA copied such a matrix for every product sharing its
 shape (six in a SmolLM2 decode layer of 32 rows, 0.3 of its 3.9 ms in tools.layer_bench; 3.3-3.7
 ms without them).
+A matrix of at most UNROLL_ELEMENTS weights (a narrow model's) runs its tiles unrolled, so that
+XLA:CPU runs their casts and products side by side on its threads.
 A product of many rows (a prompt, CAST_ALL_ROWS or more) casts the whole matrix once and is one
 product x @ W^T: the cast is then a small share of the work (300-330 GFLOP/s on the AVX-512 CPU
 for 4096 rows, against 200-300 for blocks of 1024 rows or tiles of W).
