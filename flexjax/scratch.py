@@ -11,7 +11,11 @@ every folder whose owner file it can lock has no live owner and is removed (repo
 A folder is only ever removed whole while its owner file is locked by the remover, and an owner
 file appears (by rename) only once its lock is held, so no live process's folder is touched.
 Folders without an owner file (the user's, finished layouts and checkpoints, a filesystem without
-flock) are never touched.
+flock) are never touched, with one exception: a folder is made, and removed, under a staging
+name (STAGING) that only this module uses, so that a process killed before its owner file
+exists, or after it went, leaves a folder a sweep recognises. A staging folder without an owner
+file is judged by its pending owner file: whoever creates or locks that first (the claimer, or
+a sweep) has the folder, and a claimer that lost it to a sweep makes another.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pathlib import Path
 from flexjax.errors import FlexjaxError
 
 OWNER = '.flexjax-owner'  # the owner file's name inside an owned folder
+PENDING = OWNER + '.pending'  # the owner file while it is being made (locked first, then renamed)
+STAGING = '.flexjax-staging-'  # the name prefix of a folder being claimed or removed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,22 +77,37 @@ class Claim:
       self._fd = None
 
   def release(self) -> None:
-    """Removes the folder (if it is still here), the owner file last, then drops the lock: a
-    process killed while removing leaves a folder the next sweep removes."""
-    try:
-      for entry in self.path.iterdir():
-        if entry.name != OWNER:
-          _remove(entry)
-      left = {p.name for p in self.path.iterdir()}
-      if left <= {OWNER}:  # else a later sweep tries again
-        if left:
-          os.unlink(self.path / OWNER)
-        os.rmdir(self.path)
-    except OSError:
-      pass
+    """Removes the folder (if it is still here), then drops the lock (_remove_held)."""
+    _remove_held(self.path)
     if self._fd is not None:
       os.close(self._fd)
       self._fd = None
+
+
+class _Lost(Exception):
+  """A sweep took the staging folder being claimed (its claimer had not locked it yet)."""
+
+
+def _remove_held(path: Path) -> None:
+  """Removes a folder whose owner (or pending owner) file the caller holds locked: renamed to a
+  staging name first, then emptied, the owner file last. A process killed at any point leaves
+  a folder the next sweep removes; one that is not empty at the end (a writer of this process
+  still at work) is left to a later sweep."""
+  try:
+    if not path.name.startswith(STAGING):
+      staging = path.with_name(STAGING + os.urandom(6).hex())
+      os.rename(path, staging)
+      path = staging
+    for entry in path.iterdir():
+      if entry.name not in (OWNER, PENDING):
+        _remove(entry)
+    left = {p.name for p in path.iterdir()}
+    if left <= {OWNER, PENDING}:  # else a later sweep tries again
+      for name in left:
+        os.unlink(path / name)
+      os.rmdir(path)
+  except OSError:
+    pass
 
 
 def claim(parent: str | os.PathLike, prefix: str, *, report: bool = True) -> Claim:
@@ -94,33 +115,67 @@ def claim(parent: str | os.PathLike, prefix: str, *, report: bool = True) -> Cla
   parent = Path(parent)
   parent.mkdir(parents=True, exist_ok=True)
   sweep(parent, report=report)
-  path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-  try:
-    return Claim(path, _own(path))
-  except BaseException:
-    shutil.rmtree(path, ignore_errors=True)
-    raise
+  while True:
+    staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=parent))
+    try:
+      fd = _own(staging)
+    except _Lost:
+      continue
+    except BaseException:
+      shutil.rmtree(staging, ignore_errors=True)
+      raise
+    try:
+      return Claim(_rename_fresh(staging, prefix), fd)
+    except BaseException:
+      Claim(staging, fd).release()
+      raise
 
 
 def _own(path: Path) -> int | None:
-  """Puts a locked owner file into `path`; its descriptor (None: no flock on this filesystem,
-  the folder works but a sweep cannot judge it)."""
-  pending = path / (OWNER + '.pending')
-  fd = os.open(pending, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+  """Puts a locked owner file into the staging folder `path`; its descriptor (None: no flock on
+  this filesystem, the folder works but a sweep cannot judge it). _Lost: a sweep took it."""
+  pending = path / PENDING
+  try:
+    fd = os.open(pending, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
+  except (FileNotFoundError, FileExistsError):  # the folder went, or a sweep made the file
+    raise _Lost from None
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError:
+  except OSError as e:
     os.close(fd)
-    os.unlink(pending)
+    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # a sweep opened it first
+      raise _Lost from None
+    try:
+      os.unlink(pending)
+    except OSError:
+      pass
     return None
   try:
     os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(),
                              'since': time.strftime('%Y-%m-%dT%H:%M:%S%z')}).encode())
-    os.rename(pending, path / OWNER)  # visible to sweeps only now, locked
+    os.rename(pending, path / OWNER)  # locked, and final: no sweep takes the folder from here
+  except FileNotFoundError:  # a sweep removed the folder before this lock was taken
+    os.close(fd)
+    raise _Lost from None
   except BaseException:
     os.close(fd)
     raise
   return fd
+
+
+def _rename_fresh(staging: Path, prefix: str) -> Path:
+  """Gives the owned staging folder its own name, `prefix` and a random suffix."""
+  while True:
+    path = staging.with_name(prefix + os.urandom(6).hex())
+    if os.path.lexists(path):
+      continue
+    try:
+      os.rename(staging, path)
+    except OSError as e:
+      if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):  # made meanwhile
+        continue
+      raise
+    return path
 
 
 def offload_parent(offload_dir: str | os.PathLike | None) -> Path:
@@ -140,22 +195,15 @@ def sweep(parent: str | os.PathLike, *, report: bool = True) -> list[Removed]:
   for entry in entries:
     if not entry.is_dir(follow_symlinks=False):
       continue
-    try:
-      fd = os.open(Path(entry.path) / OWNER, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:  # no owner file: not a scratch folder (or not yet one)
+    path = Path(entry.path)
+    fd = _lock_unowned(path)
+    if fd is None:  # a live owner, or not a scratch folder (or no flock here)
       continue
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      os.close(fd)
-      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOLCK, errno.EOPNOTSUPP):
-        raise
-      continue  # a live owner (or no flock here)
-    try:
-      path = Path(entry.path)
       nbytes = disk_bytes(path)
-      Claim(path, None).release()
-      if not path.exists():  # (another user's folder in a shared parent stays)
+      _remove_held(path)
+      # (another user's folder in a shared parent stays; an empty staging folder is not news)
+      if not path.exists() and (nbytes or not path.name.startswith(STAGING)):
         removed.append(Removed(path, nbytes))
     finally:
       os.close(fd)
@@ -166,6 +214,49 @@ def sweep(parent: str | os.PathLike, *, report: bool = True) -> list[Removed]:
           f'left by runs that were killed ({total / 1e9:.2f} GB): {names}', file=sys.stderr,
           flush=True)
   return removed
+
+
+def _lock_unowned(path: Path) -> int | None:
+  """A descriptor holding the lock on the owner file of `path` (or, for a staging folder
+  without one, on its pending owner file, made here where missing) where no live process
+  holds it; None where one does, where `path` is no scratch folder, or where flock fails."""
+  staging = path.name.startswith(STAGING)
+  while True:
+    try:
+      fd = os.open(path / OWNER, os.O_RDONLY | os.O_CLOEXEC)
+      made = pending = False
+    except OSError:  # no owner file: not a scratch folder, or a staging one not yet owned
+      if not staging:
+        return None
+      try:
+        fd, made = _open_pending(path / PENDING)
+        pending = True
+      except OSError:  # the folder went
+        return None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      os.close(fd)
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOLCK, errno.EOPNOTSUPP):
+        raise
+      return None
+    if pending and (path / OWNER).exists():  # its claimer locked and renamed its own meanwhile
+      if made:
+        try:
+          os.unlink(path / PENDING)
+        except OSError:
+          pass
+      os.close(fd)
+      continue
+    return fd
+
+
+def _open_pending(path: Path) -> tuple[int, bool]:
+  """The pending owner file at `path`, opened (made where missing: True)."""
+  try:
+    return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644), True
+  except FileExistsError:
+    return os.open(path, os.O_RDWR | os.O_CLOEXEC), False
 
 
 def disk_bytes(path: Path) -> int:

@@ -167,7 +167,8 @@ def test_a_killed_stage_stops_the_others(four_layers, tmp_path):
   lines = err.strip().splitlines()
   assert len(lines) == 1, err
   assert lines[0].startswith('flexjax: error: pipeline stage 1 of 2 failed: killed by signal 9')
-  assert not any(offload.iterdir())
+  left = {str(p.relative_to(offload)) for p in offload.rglob('*')}
+  assert not left, left
 
 
 def test_across_hosts_a_killed_stage_stops_the_other_with_one_line(four_layers, tmp_path):
@@ -343,7 +344,11 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   assert proc.returncode == 130 and err.splitlines() == [
       f"flexjax: interrupted; {str(out)!r} keeps the rows written so far: run the same command "
       'again to resume'], err[-3000:]
-  before, state = state, json.loads(out.with_name('out.jsonl.progress').read_text())
+  marker = out.with_name('out.jsonl.progress')
+  assert marker.is_file(), (  # (the job did not end before the Ctrl-C)
+      f'no progress file; the output is {"the whole job" if out.read_bytes() == expected else ""}'
+      f' {len(out.read_bytes())} of {len(expected)} bytes')
+  before, state = state, json.loads(marker.read_text())
   assert before['bytes'] <= state['bytes'] < len(expected)
   assert expected.startswith(out.read_bytes()[:state['bytes']])
   # one process takes the job up where the pipeline left it, and stops at its last block; it

@@ -127,3 +127,97 @@ def test_every_writer_of_scratch_folders_removes_what_killed_runs_left(use, tmp_
   use(tmp_path)
   assert not killed.path.exists()
   assert not [p for p in tmp_path.iterdir() if p.name.startswith('.') or 'flexjax-' in p.name]
+
+
+PENDING_HOLDER = '''
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print('locked', flush=True)
+time.sleep(600)
+'''
+
+
+def test_staging_folders_are_removed_unless_their_claimer_holds_them(tmp_path, capfd):
+  """What a process killed in a claim's or a removal's few unowned moments leaves (a staging
+  folder: empty, its pending owner file unlocked, or files whose owner file went) is removed;
+  one whose pending owner file a live process holds is kept, as is the user's lookalike."""
+  left = {'empty': [], 'pending': [scratch.PENDING], 'emptied': ['data.bin']}
+  for name, files in left.items():
+    (tmp_path / f'{scratch.STAGING}{name}').mkdir()
+    for f in files:
+      (tmp_path / f'{scratch.STAGING}{name}' / f).write_bytes(b'y' * 8192)
+  held = tmp_path / f'{scratch.STAGING}held'
+  held.mkdir()
+  holder = subprocess.Popen([sys.executable, '-c', PENDING_HOLDER, str(held / scratch.PENDING)],
+                            stdout=subprocess.PIPE, text=True)
+  lookalike = tmp_path / 'flexjax-offload-mine'
+  lookalike.mkdir()
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    removed = scratch.sweep(tmp_path)
+    assert sorted(r.path.name for r in removed) == [f'{scratch.STAGING}emptied',
+                                                    f'{scratch.STAGING}pending']
+    assert 'removed 2 folders' in capfd.readouterr().err  # (the empty one is not news)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [held.name, lookalike.name]
+    assert [p.name for p in held.iterdir()] == [scratch.PENDING]
+  finally:
+    holder.kill()
+    holder.wait()
+    holder.stdout.close()
+  scratch.sweep(tmp_path, report=False)
+  assert [p.name for p in tmp_path.iterdir()] == [lookalike.name]
+
+
+def test_a_claim_is_made_and_removed_under_a_staging_name(tmp_path):
+  with scratch.claim(tmp_path, 'mine-') as claim:
+    assert claim.path.name.startswith('mine-') and claim.owned
+    assert sorted(p.name for p in tmp_path.iterdir()) == [claim.path.name]
+    assert [p.name for p in claim.path.iterdir()] == [scratch.OWNER]
+  assert list(tmp_path.iterdir()) == []
+
+
+CHURNER = '''
+import sys
+from flexjax import scratch
+while True:
+  with scratch.claim(sys.argv[1], 'flexjax-churn-', report=False) as claim:
+    (claim.path / 'data.bin').write_bytes(b'x' * 4096)
+'''
+SWEEPER = '''
+import sys
+from flexjax import scratch
+while True:
+  scratch.sweep(sys.argv[1], report=False)
+'''
+
+
+def test_processes_killed_anywhere_in_a_claim_or_its_removal_leave_nothing_a_sweep_keeps(
+    tmp_path):
+  """Processes that claim and release folders in a loop, killed at random moments (in mkdtemp,
+  before the owner file is locked, between the owner file going and the folder going), beside
+  a process sweeping the same folder all the while: none fails, and once all are dead one
+  sweep leaves the parent empty."""
+  rng = np.random.default_rng(7)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  sweeper = subprocess.Popen([sys.executable, '-c', SWEEPER, str(tmp_path)], cwd=REPO, env=env,
+                             stderr=subprocess.PIPE, text=True)
+  try:
+    for _ in range(12):
+      churner = subprocess.Popen([sys.executable, '-c', CHURNER, str(tmp_path)], cwd=REPO,
+                                 env=env, stderr=subprocess.PIPE, text=True)
+      try:
+        churner.wait(timeout=0.5 + rng.uniform(0, 0.3))
+      except subprocess.TimeoutExpired:
+        churner.send_signal(signal.SIGKILL)
+        churner.wait()
+      err = churner.stderr.read()
+      churner.stderr.close()
+      assert churner.returncode == -signal.SIGKILL, err  # it ran until it was killed
+    assert sweeper.poll() is None, sweeper.stderr.read()
+  finally:
+    sweeper.kill()
+    sweeper.wait()
+    sweeper.stderr.close()
+  scratch.sweep(tmp_path, report=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == []
