@@ -94,7 +94,8 @@ def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps
 def next_stages(steps: list[Step], n: int, count: int) -> list[int]:
   """The stages of the next `count` stage changes after step n (the weights to load next)."""
   out, current = [], steps[n].stage
-  for step in steps[n + 1:]:
+  for i in range(n + 1, len(steps)):  # (no copy of the rest of the schedule per step)
+    step = steps[i]
     if step.stage != current:
       out.append(step.stage)
       current = step.stage
