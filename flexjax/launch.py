@@ -23,7 +23,7 @@ from flexjax import flags as flags_lib
 from flexjax import hardware
 from flexjax import scratch
 from flexjax.errors import FlexjaxError, flags_parser
-from flexjax.stopping import StopWatch
+from flexjax.stopping import StopWatch, signals_held
 
 _GRACE_S = 5  # a stage told to stop gets this long before it is killed
 _BECAUSE_OF_OTHERS = 3  # a stage's exit code when it stops because another stage cannot run
@@ -55,7 +55,7 @@ def main(argv, stop: StopWatch | None = None) -> int:
     print(f'flexjax: error: {e}', file=sys.stderr)
     return 2
   if stop is not None:
-    stop.kept = kept(flags.FLAGS.input, flags.FLAGS.output)
+    stop.kept = functools.partial(kept, flags.FLAGS.input, flags.FLAGS.output)
   try:
     return _main(argv)
   except KeyboardInterrupt:  # the stages were stopped; a job's synced outputs stay
@@ -127,18 +127,21 @@ def _check_coordinator(address: str, process_id: int, timeout: int) -> None:
 def supervise(process_id: int, n: int, args: list[str]) -> int:
   """Runs this host's stage as a child and reports its failure in one line."""
   log = tempfile.TemporaryFile('w+')
-  proc = subprocess.Popen([sys.executable, '-m', 'flexjax.launch', *args, '--stage_process'],
-                          stderr=log)
+  procs = []
   try:
-    code = proc.wait()
+    with signals_held():  # a stop signal comes once the stage is in procs, and stops it
+      procs.append(subprocess.Popen(
+          [sys.executable, '-m', 'flexjax.launch', *args, '--stage_process'], stderr=log))
+    code = procs[0].wait()
   except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, SIGHUP: the stage unwinds too
-    _stop([proc])
+    _stop(procs)
     raise
   finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-    _sweep_after_kills([proc])
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    _sweep_after_kills(procs)
   try:
     if code == 0:
       _forward(log)
@@ -218,11 +221,12 @@ def launch_local(n: int, args: list[str], timeout: int) -> int:
   try:
     for i in range(n):
       logs.append(tempfile.TemporaryFile('w+'))
-      procs.append(subprocess.Popen(
-          [sys.executable, '-m', 'flexjax.launch', *args, f'--num_processes={n}',
-           f'--process_id={i}', f'--coordinator=127.0.0.1:{port}',
-           f'--processes_per_host={n}', f'--stage_timeout={timeout}', '--stage_process'],
-          stdout=None if i == 0 else subprocess.DEVNULL, stderr=logs[i]))
+      with signals_held():  # a stop signal comes once the stage is in procs, and stops it
+        procs.append(subprocess.Popen(
+            [sys.executable, '-m', 'flexjax.launch', *args, f'--num_processes={n}',
+             f'--process_id={i}', f'--coordinator=127.0.0.1:{port}',
+             f'--processes_per_host={n}', f'--stage_timeout={timeout}', '--stage_process'],
+            stdout=None if i == 0 else subprocess.DEVNULL, stderr=logs[i]))
     failed = None
     while failed is None and any(p.poll() is None for p in procs):
       failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)

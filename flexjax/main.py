@@ -4,13 +4,14 @@ import functools
 import json
 import logging
 import sys
+from pathlib import Path
 
 from absl import app
 
 from flexjax import flags as flags_lib
 from flexjax import hardware
 from flexjax.errors import FlexjaxError, flags_parser
-from flexjax.job import write_atomically
+from flexjax.job import PROGRESS_SUFFIX, write_atomically
 from flexjax.stopping import STOP_GRACE_S, StopWatch
 
 
@@ -30,7 +31,7 @@ def main(argv, stop: StopWatch | None = None) -> int:
     flags_lib.use_stop_grace(stop)
     rc = flags_lib.run_config_from_flags()
     if stop is not None:
-      stop.kept = kept(rc.input, rc.output)
+      stop.kept = functools.partial(kept, rc.input, rc.output)
     check_paths(rc, report_json)
     use_compile_cache(flags.FLAGS.compile_cache, rc.weights_cache)  # before anything compiles
     result = run(rc)
@@ -53,9 +54,22 @@ def interrupted(job_input: str | None, output: str | None) -> str:
 
 
 def kept(job_input: str | None, output: str | None) -> str:
-  """What a stopped run leaves the user, as the end of its last line: a job's written rows."""
-  return (f'; {output!r} keeps the rows written so far: run the same command again to '
-          'resume') if job_input and output else ''
+  """What a stopped run leaves the user, as the end of its last line, read from the files as it
+  stops: a job's written rows, or the whole job where it ended before the stop came (its output
+  holds rows and its progress file is gone)."""
+  if not (job_input and output):
+    return ''
+  path = Path(output)
+  if not path.with_name(path.name + PROGRESS_SUFFIX).exists() and _holds_rows(path):
+    return f'; the job had ended: {output!r} holds all its rows'
+  return f'; {output!r} keeps the rows written so far: run the same command again to resume'
+
+
+def _holds_rows(path: Path) -> bool:
+  try:
+    return path.stat().st_size > 0
+  except OSError:
+    return False
 
 
 def table(report: dict) -> str:

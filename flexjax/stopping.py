@@ -15,6 +15,7 @@ is cut off on resume) and the next run removes the folders left behind (flexjax.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import select
@@ -22,9 +23,34 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 STOP_GRACE_S = 30.0  # how long the main thread may take to unwind after the first signal
 STOPPING = {signal.SIGINT: 'Ctrl-C', signal.SIGTERM: 'SIGTERM', signal.SIGHUP: 'SIGHUP'}
+
+
+@contextlib.contextmanager
+def signals_held():
+  """Holds the main thread's answer to a stop signal back while the block runs, and gives it as
+  the block ends: a child process started in the block (subprocess.Popen, which returns only
+  once the child runs the new program) is never left running unknown to its parent, as it would
+  be were Ctrl-C to raise inside Popen. (The watcher thread still hears the signal at once.)"""
+  came = []
+  held = {s: signal.getsignal(s) for s in STOPPING
+          if signal.getsignal(s) not in (signal.SIG_IGN, None)}
+  for signum in held:
+    signal.signal(signum, lambda signum, frame: came.append((signum, frame)))
+  try:
+    yield
+  finally:
+    for signum, handler in held.items():
+      signal.signal(signum, handler)
+    if came:
+      signum, frame = came[0]
+      if callable(held[signum]):
+        held[signum](signum, frame)
+      else:  # the default action, now that it is back
+        signal.raise_signal(signum)
 
 
 def _exit_on_signal(signum, frame) -> None:
@@ -36,12 +62,13 @@ class StopWatch:
   """Installs the main thread's handlers of SIGTERM and SIGHUP (the terminal closed: without
   one the process would die where it stands, leaving its offload folder for the next run to
   remove; left ignored under nohup) and the watcher thread (call in the main thread, before
-  anything starts threads of its own). `kept` is said when the watcher ends the process: what
-  the user keeps (set once the run knows, e.g. a job's output)."""
+  anything starts threads of its own). `kept` is called when the watcher ends the process: the
+  end of its line, what the user keeps (set once the run knows, e.g. a job's output, and read
+  then: the job may have ended meanwhile)."""
 
   def __init__(self, grace_s: float = STOP_GRACE_S):
     self.grace_s = grace_s
-    self.kept = ''
+    self.kept: Callable[[], str] = str  # '' until the run knows
     signal.signal(signal.SIGTERM, _exit_on_signal)
     if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:
       signal.signal(signal.SIGHUP, _exit_on_signal)
@@ -69,6 +96,6 @@ class StopWatch:
   def _end(self, signum: int, why: str) -> None:
     """Ends the process now, without the main thread's unwinding."""
     line = (f'flexjax: stopped without its clean-up: {why}; the next run removes the folders '
-            f'this one leaves{self.kept}\n')
+            f'this one leaves{self.kept()}\n')
     os.write(2, line.encode())
     os._exit(128 + signum)

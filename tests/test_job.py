@@ -191,6 +191,24 @@ main.entry()
 ''']
 
 
+def test_a_stopped_jobs_last_line_says_what_its_output_holds_as_it_stops(tmp_path):
+  """Read from the files when the stop comes: a Ctrl-C landing after the job's last block (as
+  its processes end) says the job ended, not that it can be resumed."""
+  from flexjax.main import kept
+  out = tmp_path / 'out.jsonl'
+  resume = f'; {str(out)!r} keeps the rows written so far: run the same command again to resume'
+  assert kept(None, str(out)) == '' and kept('rows.jsonl', None) == ''
+  assert kept('rows.jsonl', str(out)) == resume  # nothing written yet: the same command starts it
+  out.write_text('')
+  assert kept('rows.jsonl', str(out)) == resume
+  out.write_text('{"id": "r0"}\n')
+  progress = out.with_name('out.jsonl.progress')
+  progress.write_text('{}')
+  assert kept('rows.jsonl', str(out)) == resume
+  progress.unlink()  # the job's end
+  assert kept('rows.jsonl', str(out)) == f'; the job had ended: {str(out)!r} holds all its rows'
+
+
 def run_killed(cmd: list[str], out: Path, after_lines: int | None,
                sig: int = signal.SIGKILL, stuck: bool = False) -> bool:
   """Starts the job and sends it `sig` (kill -9) once the output has after_lines lines (None: as

@@ -335,19 +335,23 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   assert f"writing --output={str(out)!r} failed (File too large)" in full.stderr
   state = json.loads(out.with_name('out.jsonl.progress').read_text())
   assert 0 < state['bytes'] <= 1500 and expected.startswith(out.read_bytes()[:state['bytes']])
-  # Ctrl-C to the launcher, wherever it lands: its stages stop, one line, whole blocks kept
+  # Ctrl-C to the launcher as its stages start (they write the pipeline's blocks within
+  # milliseconds of each other, so one landing after the first can find the job ended, and its
+  # line says so: tests/test_job.py): they stop, one line, whole blocks kept
+  marker = out.with_name('out.jsonl.progress')
   proc = subprocess.Popen(interruptible([sys.executable, *launch_cmd]), cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  time.sleep(4)
-  proc.send_signal(signal.SIGINT)
+  deadline, stages = time.monotonic() + 120, []
+  while (proc.poll() is None and time.monotonic() < deadline
+         and not any('--process_id=1' in _cmdline(pid) for pid in stages)):
+    stages = _children(proc.pid)
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGINT)  # (as the launcher may still be in the second stage's start)
   _, err = proc.communicate(timeout=120)
+  assert len(stages) == 2 and not any(map(_running, stages))  # none left running unknown
   assert proc.returncode == 130 and err.splitlines() == [
       f"flexjax: interrupted; {str(out)!r} keeps the rows written so far: run the same command "
       'again to resume'], err[-3000:]
-  marker = out.with_name('out.jsonl.progress')
-  assert marker.is_file(), (  # (the job did not end before the Ctrl-C)
-      f'no progress file; the output is {"the whole job" if out.read_bytes() == expected else ""}'
-      f' {len(out.read_bytes())} of {len(expected)} bytes')
   before, state = state, json.loads(marker.read_text())
   assert before['bytes'] <= state['bytes'] < len(expected)
   assert expected.startswith(out.read_bytes()[:state['bytes']])
@@ -448,6 +452,13 @@ def _children(pid: int) -> list[int]:
     except OSError:  # a thread that ended while we looked
       pass
   return out
+
+
+def _running(pid: int) -> bool:
+  try:
+    return Path(f'/proc/{pid}/stat').read_text().rpartition(')')[2].split()[0] != 'Z'
+  except OSError:
+    return False
 
 
 def _cmdline(pid: int) -> str:

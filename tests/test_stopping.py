@@ -21,7 +21,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # where started with i
 # SIGHUP as a terminal's process has it, or as under nohup (the tests may run under nohup)
 signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[3:] == ['nohup'] else signal.SIG_DFL)
 stop = StopWatch(float(sys.argv[1]))
-stop.kept = '; what the run kept'
+stop.kept = lambda: '; what the run kept'
 mutex = ctypes.create_string_buffer(64)  # a default pthread mutex, zeroed
 libc = ctypes.CDLL(None)
 libc.pthread_mutex_lock(mutex)
@@ -94,3 +94,32 @@ def test_sighup_stays_ignored_under_nohup():
                                     nohup=True)
   assert code == 128 + signal.SIGTERM and 'unwound' in out and not err
   assert seconds >= 1  # the two SIGHUPs half a second apart changed nothing
+
+
+HELD = '''
+import signal, subprocess, sys
+from flexjax.stopping import signals_held
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+for signum in signal.SIGINT, signal.SIGTERM:
+  child = None
+  try:
+    with signals_held():
+      signal.raise_signal(signum)
+      child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+      print('started', flush=True)
+  except (KeyboardInterrupt, SystemExit) as e:
+    child.kill()
+    print(type(e).__name__, child.wait(), flush=True)
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+'''
+
+
+def test_a_stop_signal_during_a_childs_start_comes_once_the_child_is_known():
+  """flexjax.launch starts its stages under signals_held: a Ctrl-C or SIGTERM landing inside
+  Popen is answered as the block ends, with the child in hand to stop (not left running)."""
+  done = subprocess.run([sys.executable, '-c', HELD], capture_output=True, text=True,
+                        timeout=60)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split('\n') == ['started', 'KeyboardInterrupt -9', 'started',
+                                      'SystemExit -9', 'True', '']
