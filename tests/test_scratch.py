@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -175,6 +176,22 @@ def test_a_claim_is_made_and_removed_under_a_staging_name(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [claim.path.name]
     assert [p.name for p in claim.path.iterdir()] == [scratch.OWNER]
   assert list(tmp_path.iterdir()) == []
+
+
+def test_without_flock_a_claim_works_and_a_sweep_touches_nothing(tmp_path, monkeypatch):
+  """A filesystem without flock: the folder is made and removed all the same, unowned; a sweep
+  judges nothing there, and leaves no pending owner file in a staging folder it cannot lock."""
+  def no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, 'No locks available')
+  monkeypatch.setattr(scratch.fcntl, 'flock', no_flock)
+  stranded = tmp_path / f'{scratch.STAGING}left'  # a claim killed here: no sweep can judge it
+  stranded.mkdir()
+  with scratch.claim(tmp_path, 'mine-') as claim:
+    assert not claim.owned and claim.path.name.startswith('mine-')
+    assert list(claim.path.iterdir()) == []
+    assert scratch.sweep(tmp_path) == []
+    assert claim.path.is_dir() and list(stranded.iterdir()) == []
+  assert [p.name for p in tmp_path.iterdir()] == [stranded.name]
 
 
 CHURNER = '''
