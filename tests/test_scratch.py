@@ -170,7 +170,8 @@ def test_staging_folders_are_removed_unless_their_claimer_holds_them(tmp_path, c
   assert [p.name for p in tmp_path.iterdir()] == [lookalike.name]
 
 
-def test_a_claim_is_made_and_removed_under_a_staging_name(tmp_path):
+def test_a_claimed_folder_has_its_name_and_owner_file_only_and_leaves_nothing(tmp_path):
+  """No staging folder, nor a pending owner file, stays beside or in a claimed folder."""
   with scratch.claim(tmp_path, 'mine-') as claim:
     assert claim.path.name.startswith('mine-') and claim.owned
     assert sorted(p.name for p in tmp_path.iterdir()) == [claim.path.name]
