@@ -145,7 +145,7 @@ def _own(path: Path) -> int | None:
     os.close(fd)
     if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # a sweep opened it first
       raise _Lost from None
-    _unlink(pending)
+    _remove(pending)
     return None
   try:
     os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(),
@@ -237,21 +237,14 @@ def _lock_unowned(path: Path) -> int | None:
       if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOLCK, errno.EOPNOTSUPP):
         raise
       if made and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP):  # no flock here: as it was
-        _unlink(path / PENDING)
+        _remove(path / PENDING)
       return None
     if pending and (path / OWNER).exists():  # its claimer locked and renamed its own meanwhile
       if made:
-        _unlink(path / PENDING)
+        _remove(path / PENDING)
       os.close(fd)
       continue
     return fd
-
-
-def _unlink(path: Path) -> None:
-  try:
-    os.unlink(path)
-  except OSError:
-    pass
 
 
 def _open_pending(path: Path) -> tuple[int, bool]:
