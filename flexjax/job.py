@@ -87,6 +87,12 @@ class Block:
 
 
 # ---- reading -------------------------------------------------------------------------------------
+def progress_path(output: str | os.PathLike) -> Path:
+  """The progress file of the job writing `output`."""
+  output = Path(output)
+  return output.with_name(output.name + PROGRESS_SUFFIX)
+
+
 def read_text(path: str, flag: str, kind: str = 'a JSONL file (one JSON object per line)') -> str:
   """A UTF-8 text file's contents; one-line errors for a folder, a missing or binary file.
   kind: what the flag takes, as its errors name it."""
@@ -276,7 +282,7 @@ class JobOutput:
 
   def __init__(self, path: str, job: str):
     self.path = check_output(path)
-    self.marker = self.path.with_name(self.path.name + PROGRESS_SUFFIX)
+    self.marker = progress_path(self.path)
     self.job = job
     self.done: set[int] = set()
     self.policies: dict[str, list[dict]] = {}  # number of stages -> each stage's policy

@@ -11,7 +11,7 @@ from absl import app
 from flexjax import flags as flags_lib
 from flexjax import hardware
 from flexjax.errors import FlexjaxError, flags_parser
-from flexjax.job import PROGRESS_SUFFIX, write_atomically
+from flexjax.job import progress_path, write_atomically
 from flexjax.stopping import STOP_GRACE_S, StopWatch
 
 
@@ -59,8 +59,7 @@ def kept(job_input: str | None, output: str | None) -> str:
   holds rows and its progress file is gone)."""
   if not (job_input and output):
     return ''
-  path = Path(output)
-  if not path.with_name(path.name + PROGRESS_SUFFIX).exists() and _holds_rows(path):
+  if not progress_path(output).exists() and _holds_rows(Path(output)):
     return f'; the job had ended: {output!r} holds all its rows'
   return f'; {output!r} keeps the rows written so far: run the same command again to resume'
 

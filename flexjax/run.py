@@ -306,7 +306,7 @@ def check_paths(rc: RunConfig, report_json: str | None = None) -> None:
   given = {'--prompt_file': rc.prompt_file, '--input': rc.input, '--hw_profile': profile,
            '--offload_dir': rc.offload_dir, '--weights_cache': rc.weights_cache, **written}
   if rc.input and rc.output:
-    given["the output's progress file"] = rc.output + job_lib.PROGRESS_SUFFIX
+    given["the output's progress file"] = str(job_lib.progress_path(rc.output))
   where = {name: Path(value).resolve() for name, value in given.items() if value}
   checkpoint = Path(rc.checkpoint).resolve() if rc.checkpoint else None
   for flag, value in written.items():
