@@ -75,6 +75,8 @@ def test_the_comparison_tells_other_weights_apart():
   assert fuzz_placement.compare(reference, reference, 'float32')['ok']
   verdict = fuzz_placement.compare(reference, other, 'float32')
   assert not verdict['ok'] and verdict['logit_diff'] > 1e-3 and verdict['score_diff'] > 1e-3
+  # the quantized cache's wider bound still tells them apart
+  assert not fuzz_placement.compare(reference, other, 'float32', quantized_cache=True)['ok']
 
 
 @pytest.mark.parametrize('seed', [*JOB_SEEDS, *(pytest.param(s, marks=pytest.mark.slow)

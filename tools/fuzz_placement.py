@@ -48,6 +48,12 @@ from flexjax.errors import flags_parser
 # keep the other of two near-equal positions: up to 3.1 ulps of the largest logit in 76
 # bfloat16 draws)
 TOLERANCE = {'float32': 1e-5, 'bfloat16': 2.0**-5}
+# float32 with a quantized KV cache: the cache's codes are rounded from computed values, and a
+# value that float32 rounding of other row counts (or of the offloaded rows' attention program)
+# moves across a rounding boundary takes the next code, one quantization step away; the
+# difference then grows through the later layers (seed 3830: 4.7e-5 of the largest logit
+# between the all-device runs at 13x1 and 4x3, the same draw without the quantized cache 3.6e-7)
+QUANTIZED_CACHE_TOLERANCE = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,16 +217,21 @@ def generate(case: Case, policy: dict[str, Any], offload_dir: str, *, weights_ca
     return result, engine.score(tokens, mask) * mask[..., None]  # padding's logits: no value
 
 
-def compare(reference, result, compute_dtype: str) -> dict[str, Any]:
+def compare(reference, result, compute_dtype: str, *,
+            quantized_cache: bool = False) -> dict[str, Any]:
   """Tokens equal, and the generated and scored logits within the dtype's tolerance of the
-  reference's largest. reference, result: generate()'s pairs."""
+  reference's largest (QUANTIZED_CACHE_TOLERANCE's in float32 with a quantized cache, where it
+  is larger). reference, result: generate()'s pairs."""
   (ref, ref_scores), (out, out_scores) = reference, result
   same_tokens = bool(np.array_equal(ref.tokens, out.tokens))
   diffs = {'logit_diff': _diff(ref.logits, out.logits)}
   if ref_scores is not None:
     diffs['score_diff'] = _diff(ref_scores, out_scores)
   scale = float(np.max(np.abs(ref.logits)))
-  tolerance = TOLERANCE[compute_dtype] * max(scale, 1e-3)
+  relative = TOLERANCE[compute_dtype]
+  if quantized_cache:
+    relative = max(relative, QUANTIZED_CACHE_TOLERANCE)
+  tolerance = relative * max(scale, 1e-3)
   return {'same_tokens': same_tokens, **diffs, 'logit_scale': scale,
           'ok': same_tokens and all(d <= tolerance for d in diffs.values())}
 
@@ -364,7 +375,9 @@ def run_case(case: Case) -> dict[str, Any]:
     reference = generate(case, {'gpu_batch_size': len(case.prompts)}, tmp, weights_cache=layouts)
     result = generate(case, case.policy, tmp, weights_cache=layouts)
     left = sorted(p.name for p in Path(tmp).iterdir())
-  row = {**dataclasses.asdict(case), **compare(reference, result, case.compute_dtype),
+  row = {**dataclasses.asdict(case),
+         **compare(reference, result, case.compute_dtype,
+                   quantized_cache=bool(case.approx.get('compress_cache'))),
          'left_in_offload_dir': left}
   row['ok'] = row['ok'] and not left
   return row
