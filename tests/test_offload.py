@@ -70,6 +70,8 @@ def test_placement_reproduces_the_all_device_run(pre_ln, reference, tmp_path, na
     np.testing.assert_array_equal(result.logits, reference.logits)
   for tier, peak in result.peak_bytes.items():
     assert peak <= result.planned_peak_bytes[tier], (tier, peak, result.planned_peak_bytes)
+  assert (result.breakdown is None) is POLICIES[name].overlap  # parts overlap: no breakdown
+  assert list(tmp_path.iterdir()) == []
 
 
 def same_products(policy: Policy) -> bool:
@@ -77,8 +79,6 @@ def same_products(policy: Policy) -> bool:
   batch of 4; attention in the layer step, not a program of its own on the CPU backend): then
   where its weights, cache and hidden states lie changes no value."""
   return (policy.gpu_batch_size, policy.num_gpu_batches) == (4, 1) and not policy.cpu_attention
-  assert (result.breakdown is None) is POLICIES[name].overlap  # parts overlap: no breakdown
-  assert list(tmp_path.iterdir()) == []
 
 
 def test_breakdown_without_overlap_charges_each_part(pre_ln, tmp_path):
