@@ -42,6 +42,7 @@ class GenerationConfig:
   top_p: float = 1.0
   seed: int = 0
   stop_at_eos: bool = True
+  logprobs: bool = False  # keep each sampled token's log-probability (GenerationResult)
 
   def __post_init__(self):
     if self.gen_len <= 0:
@@ -76,6 +77,9 @@ class GenerationResult:
   staging_bytes: int = 0
   # [num_prompts, gen_len, vocab] float32 when asked for; zeros after a row's EOS or limit
   logits: np.ndarray | None = None
+  # [num_prompts, gen_len] float32 with gen.logprobs: each token's log-probability under the
+  # model's distribution (before temperature and top-p); zeros after a row's EOS or limit
+  token_logprobs: np.ndarray | None = None
   # Without overlap: seconds per phase ('prefill', 'decode') and part of the work (BREAKDOWN_PARTS
   # and 'total'); None under overlap, where the parts run at the same time.
   breakdown: dict[str, dict[str, float]] | None = None
@@ -226,9 +230,9 @@ class Engine:
            return_logits: bool = False) -> plan_lib.ExecutionPlan:
     """The execution plan of a generate() call with prompts padded to prompt_len."""
     return self.planner.run_plan(policy or self.policy, self.budgets, prompt_len=prompt_len,
-                                 gen_len=gen.gen_len,
-                             return_logits=return_logits, temperature=gen.temperature,
-                             top_p=gen.top_p)
+                                 gen_len=gen.gen_len, return_logits=return_logits,
+                                 temperature=gen.temperature, top_p=gen.top_p,
+                                 logprobs=gen.logprobs)
 
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
@@ -280,6 +284,9 @@ class Engine:
       raise FlexjaxError(f'limits must lie in [1, gen_len={gen.gen_len}]; got '
                          f'[{limits.min()}, {limits.max()}]')
     self._check_length(prompt_len + gen.gen_len - 1)
+    if forced_tokens is not None and gen.logprobs:
+      raise FlexjaxError('logprobs are those of sampled tokens; with forced_tokens ask for '
+                         'return_logits and read the forced tokens\' scores from the logits')
     if forced_tokens is not None:
       for i, forced in enumerate(forced_tokens):
         _check_ids(f'forced_tokens[{i}]', forced, self.config.vocab_size)
@@ -302,12 +309,13 @@ class Engine:
     # The warm-up: every function the run calls is compiled at its real shapes (mostly the
     # plan's own compiles); jax's jit reuses those executables, and no step runs before timing.
     self.planner.compile_run(policy, prompt_len=prompt_len, gen_len=gen.gen_len,
-                             temperature=gen.temperature, top_p=gen.top_p)
+                             temperature=gen.temperature, top_p=gen.top_p,
+                             logprobs=gen.logprobs)
     self.stats = _new_stats(self.config)
     for account in self.storage.accounts.values():
       account.peak = account.current
     clock = Clock(enabled=not policy.overlap)
-    outs, logits, prefill_s, decode_s, generated = [], [], 0.0, 0.0, 0
+    outs, logits, logprobs, prefill_s, decode_s, generated = [], [], [], 0.0, 0.0, 0
     for start in range(0, padded_n, block):
       rows = slice(start, start + block)
       res = self._run_block(policy, tokens[rows], mask[rows], n - start, gen,
@@ -318,6 +326,7 @@ class Engine:
                             clock=clock)
       outs.append(res['tokens'])
       logits.append(res['logits'])
+      logprobs.append(res['logprobs'])
       prefill_s += res['prefill_s']
       decode_s += res['decode_s']
       generated += res['generated']
@@ -332,6 +341,7 @@ class Engine:
         disk_weight_bytes=dict(self.stats['disk_weights_by_phase']),
         staging_bytes=self.stats['staging_bytes'],
         logits=np.concatenate(logits)[:n] if return_logits else None,
+        token_logprobs=np.concatenate(logprobs)[:n] if gen.logprobs else None,
         breakdown=_breakdown(clock, prefill_s, decode_s), plan=plan)
 
   def _call_policy(self, policy: Policy | None) -> Policy:
@@ -358,8 +368,8 @@ class Engine:
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
     batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
                           mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
-                          return_logits=return_logits, forced=forced, seeds=seeds,
-                          limits=limits)
+                          return_logits=return_logits, logprobs=gen.logprobs, forced=forced,
+                          seeds=seeds, limits=limits)
     mover.start()
     try:
       prefill_s, decode_s = self._execute(executor, batches, gen, max_steps)
@@ -371,6 +381,8 @@ class Engine:
     return dict(tokens=np.concatenate([batch.out for batch in batches]),
                 logits=(np.concatenate([batch.logits for batch in batches]) if return_logits
                         else None),
+                logprobs=(np.concatenate([batch.logprobs for batch in batches]) if gen.logprobs
+                          else None),
                 prefill_s=prefill_s, decode_s=decode_s, generated=generated)
 
   _reads_ahead = True  # whether a block may read disk weights two stages ahead (plan permitting)

@@ -33,6 +33,7 @@ class Batch:
   out: np.ndarray  # [b, gen_len]
   finished: np.ndarray  # [b]
   logits: np.ndarray | None
+  logprobs: np.ndarray | None  # [b, gen_len] float32: the sampled tokens' log-probabilities
   hidden: SplitArray
   caches: list[tuple[SplitArray, SplitArray]]
   seeds: np.ndarray | None = None  # [b] uint32: each row's sampling seed
@@ -53,8 +54,8 @@ class Batch:
 
 
 def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps, *, tokens,
-                mask, real_rows: int, gen_len: int, return_logits: bool, forced, seeds,
-                limits) -> list[Batch]:
+                mask, real_rows: int, gen_len: int, return_logits: bool, logprobs: bool,
+                forced, seeds, limits) -> list[Batch]:
   """The GPU batches of a block with their caches and hidden states allocated on their tiers.
   seeds, limits: [block] per-row sampling seeds and new-token limits."""
   b, s = policy.gpu_batch_size, tokens.shape[1]
@@ -72,6 +73,7 @@ def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps
           out=np.full((b, gen_len), cfg.pad_token_id, np.int32), finished=np.zeros(b, bool),
           logits=(np.zeros((b, gen_len, cfg.vocab_size), np.float32) if return_logits
                   else None),
+          logprobs=np.zeros((b, gen_len), np.float32) if logprobs else None,
           hidden=SplitArray(storage, (b, s, cfg.hidden_size), steps.compute,
                             policy.rows('act'), preallocate_device=False, kind='hidden'),
           caches=[], seeds=seeds[rows], limits=limits[rows],
@@ -218,12 +220,15 @@ class Executor:
     s = batch.tokens.shape[1]
     if stage == self.num_stages - 1:
       counters = np.stack([batch.seeds, np.full_like(batch.seeds, token)], axis=1)
-      logits, sample = steps.head_step(params, inputs['hidden'], self._put(counters),
-                                       temperature=gen.temperature, top_p=gen.top_p)
+      logits, sample, logprobs = steps.head_step(params, inputs['hidden'], self._put(counters),
+                                                 temperature=gen.temperature, top_p=gen.top_p,
+                                                 logprobs=gen.logprobs)
       chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
       batch.out[:, token] = np.where(batch.finished, self.cfg.pad_token_id, chosen)
       if batch.logits is not None:  # a finished row's are zeros, however long its block runs
         batch.logits[:, token] = np.where(batch.finished[:, None], 0, np.asarray(logits))
+      if batch.logprobs is not None:
+        batch.logprobs[:, token] = np.where(batch.finished, 0, np.asarray(logprobs))
       batch.steps = token + 1
       if gen.stop_at_eos:
         batch.finished |= batch.out[:, token] == self.cfg.eos_token_id

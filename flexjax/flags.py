@@ -44,11 +44,14 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_float('top_p', 1.0, 'Nucleus sampling mass.', **f)
   flags.DEFINE_integer('seed', 0, 'Sampling seed.', **f)
   flags.DEFINE_bool('stop_at_eos', True, 'Stop a sequence at EOS (pads the rest).', **f)
+  flags.DEFINE_bool('logprobs', False, 'Give each new token\'s log-probability under the model '
+                    '(before temperature and top-p) in --output\'s lines ("logprobs"; a job\'s '
+                    'row may ask with "logprobs": true).', **f)
   flags.DEFINE_string('output', None, 'Write generations here as JSON lines (with --input: '
                       'streamed block by block, resumable).', **f)
   flags.DEFINE_string('input', None, 'A batch job: JSONL rows {"id", "prompt" or "tokens", and '
-                      'optionally "max_new_tokens", "stop", "temperature", "top_p", "seed"}; '
-                      'needs --output. Run again with the same command after an interruption '
+                      'optionally "max_new_tokens", "stop", "temperature", "top_p", "seed", '
+                      '"logprobs"}; needs --output. Run again with the same command after an interruption '
                       'to resume.', **f)
   flags.DEFINE_bool('bucket', True, 'Batch a job\'s rows by length so blocks pad little (else '
                     'every block pads to the longest prompt and output).', **f)
@@ -180,7 +183,7 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
                        '--weights=checkpoint to use it')
   budgets = budgets_from_flags(fv)
   gen = GenerationConfig(gen_len=fv.gen_len, temperature=fv.temperature, top_p=fv.top_p,
-                         seed=fv.seed, stop_at_eos=fv.stop_at_eos)
+                         seed=fv.seed, stop_at_eos=fv.stop_at_eos, logprobs=fv.logprobs)
   policy = policy_from_flags(fv)
   return RunConfig(
       model=fv.model if (fv.weights == 'dummy' or fv['model'].present) else None,

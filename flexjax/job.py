@@ -1,7 +1,8 @@
 """Batch jobs: a JSONL file of rows in, a JSONL file of generations out, durably and resumably.
 
 A row is a JSON object: `id` (default: its line number), `prompt` (text) or `tokens` (ids), and
-optionally `max_new_tokens`, `stop` (a string or a list), `temperature`, `top_p`, `seed`. Rows
+optionally `max_new_tokens`, `stop` (a string or a list), `temperature`, `top_p`, `seed` and
+`logprobs` (true: the output line gives each new token's log-probability). Rows
 are bucketed by length into blocks of the policy's block size, so that a block pads its prompts
 to a few distinct lengths only (`--nobucket`: every block pads to the longest prompt and the
 longest output, as FlexGen does).
@@ -48,7 +49,8 @@ from flexjax.tokenizer import Tokenizer
 
 FORMAT = 'flexjax-job-v1'
 PROGRESS_SUFFIX = '.progress'  # the progress file: the output's path and this
-FIELDS = ('id', 'prompt', 'tokens', 'max_new_tokens', 'stop', 'temperature', 'top_p', 'seed')
+FIELDS = ('id', 'prompt', 'tokens', 'max_new_tokens', 'stop', 'temperature', 'top_p', 'seed',
+          'logprobs')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Row:
   temperature: float
   top_p: float
   seed: int
+  logprobs: bool = False  # its output gives each new token's log-probability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,11 @@ class Block:
   @property
   def sampling(self) -> tuple[float, float]:
     return self.rows[0].temperature, self.rows[0].top_p
+
+  @property
+  def logprobs(self) -> bool:
+    """Whether a row of the block asks for its tokens' log-probabilities."""
+    return any(row.logprobs for row in self.rows)
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -178,12 +186,15 @@ def _row(record, line: int, row_id, cfg: ModelConfig, tokenizer: Tokenizer | Non
     seed = derived_seed(defaults.seed, row_id)
   elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
     raise FlexjaxError(f'"seed" is {seed!r}; it must be an integer in [0, 2**32)')
+  logprobs = record.get('logprobs', defaults.logprobs)
+  if not isinstance(logprobs, bool):
+    raise FlexjaxError(f'"logprobs" is {logprobs!r}; it must be true or false')
   try:
     GenerationConfig(gen_len=new, temperature=temperature, top_p=top_p)
   except FlexjaxError as e:
     raise FlexjaxError(str(e).replace('temperature=', '"temperature" ').replace(
         'top_p=', '"top_p" ')) from None
-  return Row(line, row_id, tuple(tokens), new, tuple(stop), temperature, top_p, seed)
+  return Row(line, row_id, tuple(tokens), new, tuple(stop), temperature, top_p, seed, logprobs)
 
 
 def _number(record: dict, key: str, default, kind):
@@ -515,14 +526,16 @@ def run_blocks(engine: Engine, blocks: Sequence[Block], done: set[int],
       shape = (block.pad_to, block.gen_len)
       temperature, top_p = block.sampling
       gen = GenerationConfig(gen_len=block.gen_len, temperature=temperature, top_p=top_p,
-                             stop_at_eos=stop_at_eos)
+                             stop_at_eos=stop_at_eos, logprobs=block.logprobs)
       start = time.perf_counter()
       result = engine.generate([list(r.tokens) for r in block.rows], gen,
                                seeds=[r.seed for r in block.rows],
                                limits=[r.max_new_tokens for r in block.rows],
                                pad_to=block.pad_to)
-      records = [_record(row, seq, tokenizer, eos)
-                 for row, seq in zip(block.rows, result.sequences)]
+      logprobs = (result.token_logprobs if block.logprobs
+                  else [None] * len(block.rows))
+      records = [_record(row, seq, values, tokenizer, eos)
+                 for row, seq, values in zip(block.rows, result.sequences, logprobs)]
       write(block.number, records)
       memwatch.return_free_memory()  # the next block's buffers start from a trimmed heap
       tally.seconds += time.perf_counter() - start
@@ -537,8 +550,10 @@ def run_blocks(engine: Engine, blocks: Sequence[Block], done: set[int],
   return tally
 
 
-def _record(row: Row, seq: np.ndarray, tokenizer: Tokenizer | None, eos: int) -> dict:
-  """An output line: the row's id and line, its new tokens (cut at a stop string) and text."""
+def _record(row: Row, seq: np.ndarray, logprobs: np.ndarray | None,
+            tokenizer: Tokenizer | None, eos: int) -> dict:
+  """An output line: the row's id and line, its new tokens (cut at a stop string) and text,
+  and where the row asks for them the tokens' log-probabilities (`logprobs`: [gen_len])."""
   ids = [int(t) for t in seq[:row.max_new_tokens]]
   reason = 'eos' if ids and ids[-1] == eos else 'length'
   record = {'id': row.id, 'line': row.line, 'prompt_tokens': len(row.tokens)}
@@ -550,6 +565,8 @@ def _record(row: Row, seq: np.ndarray, tokenizer: Tokenizer | None, eos: int) ->
       ids, text, reason = _tokens_through(ids, tokenizer, stop), text[:cut], 'stop'
     record['output'] = text
   record.update(output_tokens=ids, finish_reason=reason, error=None)
+  if row.logprobs:
+    record['logprobs'] = [float(v) for v in logprobs[:len(ids)]]
   return record
 
 
@@ -784,7 +801,9 @@ def job_of(rc, source, compute_dtype: str, text: str) -> str:
   return job_fingerprint(text, weights=_weights_identity(rc, source), compute=compute_dtype,
                          cache=rc.cache_dtype, stop_at_eos=rc.generation.stop_at_eos,
                          gen_len=rc.generation.gen_len, temperature=rc.generation.temperature,
-                         top_p=rc.generation.top_p, seed=rc.generation.seed, bucket=rc.bucket)
+                         top_p=rc.generation.top_p, seed=rc.generation.seed, bucket=rc.bucket,
+                         # (named only when on: jobs begun without it keep their fingerprint)
+                         **({'logprobs': True} if rc.generation.logprobs else {}))
 
 
 def _weights_identity(rc, source) -> dict[str, Any]:

@@ -224,9 +224,13 @@ class Link:
     rows = np.zeros((self.n, len(values), 3), np.int32)
     for k in range(3):
       rows[process_id, :, k] = (values >> (30 * k)) & (2**30 - 1)
-    total = np.asarray(self._total(self._global(jnp.asarray(rows)))
-                       .addressable_shards[0].data[0]).astype(np.int64)
+    total = self.total(rows).astype(np.int64)
     return sum(total[..., k] << (30 * k) for k in range(3))
+
+  def total(self, values: np.ndarray) -> np.ndarray:
+    """The sum over all stages of `values` (an array of one shape and dtype on each)."""
+    return np.asarray(self._total(self._global(jnp.asarray(values)))
+                      .addressable_shards[0].data[0])
 
 
 class StageEngine(Engine):
@@ -299,6 +303,10 @@ class StageEngine(Engine):
     finally:
       if first is not None:
         executor.mover.free_weights(first.result())
+    if gen.logprobs:  # the sampling stage's log-probabilities (zeros elsewhere) reach every stage
+      every = self.link.total(np.stack([batch.logprobs for batch in batches]))
+      for batch, values in zip(batches, every):
+        batch.logprobs[:] = values
     total = time.perf_counter() - start
     prefill_s = total if prefill_s is None else prefill_s
     return prefill_s, total - prefill_s

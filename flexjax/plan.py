@@ -379,6 +379,7 @@ class Shape:
   device_is_host: bool  # a CPU backend: device and host tiers are the same RAM
   return_logits: bool = False
   read_ahead: bool = False  # under overlap: disk reads of the stage after next start early
+  logprobs: bool = False  # the sampled tokens' log-probabilities are kept
 
   @property
   def total_len(self) -> int:
@@ -511,7 +512,8 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   if shape.return_logits:
     out.append(Buffer('logits', 'host', g * b * shape.gen_len * cfg.vocab_size * 4, 1, RUN,
                       'logits of the block, returned'))
-  out.append(Buffer('block.host_state', 'host', g * b * (shape.gen_len * 4 + t + 2 * s * 5), 1,
+  outputs = shape.gen_len * 4 * (2 if shape.logprobs else 1)  # tokens (and log-probabilities)
+  out.append(Buffer('block.host_state', 'host', g * b * (outputs + t + 2 * s * 5), 1,
                     RUN, 'tokens, masks and outputs of the block'))
   return out
 
@@ -829,13 +831,15 @@ class Planner:
     return_free_memory()
 
   def shape(self, policy: Policy, prompt_len: int, gen_len: int, *,
-            return_logits: bool = False, read_ahead: bool = False) -> Shape:
+            return_logits: bool = False, read_ahead: bool = False,
+            logprobs: bool = False) -> Shape:
     return Shape(self.cfg, policy, self.sizes, prompt_len, gen_len, self.device_is_host,
-                 return_logits, read_ahead)
+                 return_logits, read_ahead, logprobs)
 
   def working(self, policy: Policy, *, rows: int, device_rows: int, cpu_attention: bool,
               prompt_len: int, gen_len: int, temperature: float = 0.0,
-              top_p: float = 1.0, compile: bool = False, quick: bool = False) -> dict:
+              top_p: float = 1.0, logprobs: bool = False, compile: bool = False,
+              quick: bool = False) -> dict:
     """XLA bytes per step kind at these shapes, measured once per planner by compiling the
     steps (steps.Steps.working_memory). `compile`: the run's warm-up, whose executables must be
     live: compiled again where `release_compiled` freed them. `quick`: compiled for the bytes
@@ -849,13 +853,14 @@ class Planner:
                             if slot.packed), key=lambda shape: math.prod(shape))
     geom = Geometry(rows=rows, device_rows=device_rows, cpu_attention=cpu_attention,
                     prompt_len=prompt_len, total_len=prompt_len + gen_len - 1)
-    key = (_approximations(policy), geom, temperature, top_p, totals.largest_load,
+    key = (_approximations(policy), geom, temperature, top_p, logprobs, totals.largest_load,
            largest_tensor, quick)
     if key not in self._working or compile and key not in self._compiled:
       working = self.steps(policy).working_memory(
           params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes(),
                              prompt_ids=rows * prompt_len, step_ids=rows * prompt_len),
-          geom=geom, temperature=temperature, top_p=top_p, largest_load=totals.largest_load,
+          geom=geom, temperature=temperature, top_p=top_p, logprobs=logprobs,
+          largest_load=totals.largest_load,
           largest_tensor=largest_tensor, quick=quick)
       if not self.library_runs:  # XLA:CPU's library fusions do not run on the target
         working = {k: dataclasses.replace(v, library=0) for k, v in working.items()}
@@ -864,14 +869,14 @@ class Planner:
     return self._working[key]
 
   def compile_run(self, policy: Policy, *, prompt_len: int, gen_len: int,
-                  temperature: float = 0.0, top_p: float = 1.0) -> None:
+                  temperature: float = 0.0, top_p: float = 1.0, logprobs: bool = False) -> None:
     """Compiles every function a run of `policy` calls (the run's warm-up: jax's jit reuses
     the executables): its plan's steps (`working`), then the rest (steps.Steps.compile_rest),
     among them the dequantization of every distinct packed weight tensor, or part of one, that
     it loads."""
     self.working(policy, rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
                  cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
-                 temperature=temperature, top_p=top_p, compile=True)
+                 temperature=temperature, top_p=top_p, logprobs=logprobs, compile=True)
     loads = tuple(sorted({((*slot.shape[:-1], policy.quant.row_bytes(slot.shape[-1])),
                            slot.shape[-1])
                           for stage in distinct_stages(self.cfg)
@@ -879,17 +884,18 @@ class Planner:
                           if slot.tier != 'device' and slot.packed}, key=repr))
     from flexjax.steps import Geometry
     geom = Geometry.of(policy, prompt_len=prompt_len, gen_len=gen_len)
-    key = (_approximations(policy), geom, temperature, top_p, loads)
+    key = (_approximations(policy), geom, temperature, top_p, logprobs, loads)
     if key not in self._compiled_rest:
       self.steps(policy).compile_rest(
           params=param_specs(self.cfg, policy, self.sizes, **self._spec_dtypes(),
                              prompt_ids=policy.gpu_batch_size * prompt_len,
                              step_ids=policy.gpu_batch_size),
-          geom=geom, temperature=temperature, top_p=top_p, loads=loads)
+          geom=geom, temperature=temperature, top_p=top_p, logprobs=logprobs, loads=loads)
       self._compiled_rest.add(key)
 
   def xla(self, policy: Policy, *, prompt_len: int, gen_len: int, temperature: float = 0.0,
-          top_p: float = 1.0, estimate: bool = False) -> dict[str, Any]:
+          top_p: float = 1.0, logprobs: bool = False,
+          estimate: bool = False) -> dict[str, Any]:
     """XLA bytes per step kind of `policy`: compiled at its real shapes, or (estimate) from
     the steps compiled for two consecutive sequence counts, extended linearly to the GPU batch
     (their sizes grow linearly with it within one form of the products; the search screens
@@ -898,13 +904,13 @@ class Planner:
       return step_bytes(self.working(
           policy, rows=policy.gpu_batch_size, device_rows=policy.rows('cache')['device'],
           cpu_attention=policy.cpu_attention, prompt_len=prompt_len, gen_len=gen_len,
-          temperature=temperature, top_p=top_p))
+          temperature=temperature, top_p=top_p, logprobs=logprobs))
     b = policy.gpu_batch_size
     low = estimate_rows(b, prompt_len, self.steps(policy).prompt_forms())
     fits = []
     for rows in (low, low + 1):
       kw = dict(rows=rows, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
-                top_p=top_p, quick=True)
+                top_p=top_p, logprobs=logprobs, quick=True)
       on_device = step_bytes(self.working(policy, device_rows=rows, cpu_attention=False, **kw))
       if policy.cpu_attention:
         on_cpu = step_bytes(self.working(policy, device_rows=0, cpu_attention=True, **kw))
@@ -914,15 +920,15 @@ class Planner:
     return {k: max(one[k], one[k] + (b - low) * (two[k] - one[k])) for k in one}
 
   def plan(self, policy: Policy, *, prompt_len: int, gen_len: int, return_logits: bool = False,
-           temperature: float = 0.0, top_p: float = 1.0, estimate: bool = False,
-           read_ahead: bool = False) -> ExecutionPlan:
+           temperature: float = 0.0, top_p: float = 1.0, logprobs: bool = False,
+           estimate: bool = False, read_ahead: bool = False) -> ExecutionPlan:
     """The plan of a run of `policy`: exact (its steps compiled at their real shapes), or with
     XLA's bytes estimated (`xla`). The search plans without read-ahead (the least a policy
     needs); `run_plan` adds it where the budgets have room."""
     xla = self.xla(policy, prompt_len=prompt_len, gen_len=gen_len, temperature=temperature,
-                   top_p=top_p, estimate=estimate)
+                   top_p=top_p, logprobs=logprobs, estimate=estimate)
     return self._plan(self.shape(policy, prompt_len, gen_len, return_logits=return_logits,
-                                 read_ahead=read_ahead), xla)
+                                 read_ahead=read_ahead, logprobs=logprobs), xla)
 
   def run_plan(self, policy: Policy, budgets: dict[str, int | None], **kw) -> ExecutionPlan:
     """The plan a run executes: reading disk weights two stages ahead where the budgets have

@@ -391,7 +391,8 @@ def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_
   --dry_run, whether it fits) and why that plan does not fit its budgets (None if it does). A
   caller that runs refuses on the latter before any weight is read."""
   plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
-                             temperature=rc.generation.temperature, top_p=rc.generation.top_p)
+                             temperature=rc.generation.temperature, top_p=rc.generation.top_p,
+                             logprobs=rc.generation.logprobs)
   head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': st.profile.name if st.profile else None,
           **_prediction_fields(prediction),
@@ -513,10 +514,12 @@ def write_outputs(path: str, prompts, texts, result: GenerationResult,
   """Writes one JSON line per prompt, atomically (the file is whole or untouched)."""
   from flexjax.job import write_atomically
   lines = []
-  for ids, text, seq in zip(prompts, texts, result.sequences):
+  for i, (ids, text, seq) in enumerate(zip(prompts, texts, result.sequences)):
     record = {'prompt': text, 'prompt_tokens': list(map(int, ids)),
               'output_tokens': seq.tolist()}
     if tokenizer is not None:
       record['output'] = tokenizer.decode(seq)
+    if result.token_logprobs is not None:
+      record['logprobs'] = [float(v) for v in result.token_logprobs[i, :len(seq)]]
     lines.append(json.dumps(record) + '\n')
   write_atomically(path, ''.join(lines))

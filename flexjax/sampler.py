@@ -1,4 +1,5 @@
-"""Sampling: the next token from logits (greedy, temperature, top-p) and trimming at EOS."""
+"""Sampling: the next token from logits (greedy, temperature, top-p), its log-probability, and
+trimming at EOS."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def next_token(logits: jax.Array, keys: jax.Array, *, temperature: float, top_p:
     logits = jnp.where(logits < cutoff, -jnp.inf, logits)
   noise = jax.vmap(lambda key, row: jax.random.gumbel(key, row.shape, row.dtype))(keys, logits)
   return first_max(logits + noise)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """log softmax(logits)[token] of each row: logits [b, vocab] float32, tokens [b] -> [b]
+  float32 (the model's own distribution, whatever the sampling that chose the token)."""
+  chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+  return chosen - jax.nn.logsumexp(logits, axis=-1)
 
 
 def trim(row: np.ndarray, eos_id: int, stop_at_eos: bool) -> np.ndarray:

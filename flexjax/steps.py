@@ -25,7 +25,7 @@ from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
 from flexjax.policy import Policy
 from flexjax.quant import QuantConfig
-from flexjax.sampler import next_token
+from flexjax.sampler import next_token, token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ class Steps:
     attend_kw = dict(cfg=cfg, cache_quant=cache_quant)
     self.embed = jax.jit(functools.partial(model.embed, **kw))
     self.head = jax.jit(functools.partial(head_sample, **kw),
-                        static_argnames=('temperature', 'top_p'))
+                        static_argnames=('temperature', 'top_p', 'logprobs'))
     attend = attention.prefill_dtype(self.compute, device.platform)
     prefill = lambda options: jax.jit(  # noqa: E731
         functools.partial(prefill_layer, **layer_kw, attend_dtype=attend),
@@ -234,9 +234,12 @@ class Steps:
                       offloaded_mask=offloaded,
                       slot=jax.device_put(np.int32(slot), self.device))
 
-  def head_step(self, params, x, counters, *, temperature: float, top_p: float, call=RUN):
-    """LM head of the last position and the next token: (logits [b, vocab] f32, tokens [b])."""
-    return call(self.head, params, x, counters, temperature=temperature, top_p=top_p)
+  def head_step(self, params, x, counters, *, temperature: float, top_p: float,
+                logprobs: bool = False, call=RUN):
+    """LM head of the last position and the next token: (logits [b, vocab] f32, tokens [b],
+    the tokens' log-probabilities [b] f32 where `logprobs`, else None)."""
+    return call(self.head, params, x, counters, temperature=temperature, top_p=top_p,
+                logprobs=logprobs)
 
   def prefill_step(self, geom: Geometry, params, x, caches, mask, call=RUN):
     """A prefill step of one layer: (y, device caches, offloaded rows' entries or None)."""
@@ -288,7 +291,7 @@ class Steps:
 
   # ---- working memory ---------------------------------------------------------------------------
   def working_memory(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
-                     top_p: float, largest_load: tuple | None = None,
+                     top_p: float, logprobs: bool = False, largest_load: tuple | None = None,
                      largest_tensor: tuple[int, ...] | None = None,
                      quick: bool = False) -> dict[str, StepMemory]:
     """Compiles the functions a run calls, at its real shapes and with the shardings its
@@ -323,7 +326,7 @@ class Steps:
     out['embed'] = compile_.analyse(self.embed, params['embed'], spec((b, s), np.int32),
                                     spec((b, s), np.int32))
     out['head'] = self._analyse_head(params['head'], spec((b, s, h), cdt), temperature, top_p,
-                                     compile_)
+                                     logprobs, compile_)
     self.prefill_step(geom, params['layer'], spec((b, s, h), cdt), self._cache_specs(geom),
                       spec((b, s), bool), call=compile_)
     out['prefill'] = _combine(compile_.parts['device'])
@@ -342,7 +345,7 @@ class Steps:
     return out
 
   def compile_rest(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
-                   top_p: float, loads: tuple = ()) -> None:
+                   top_p: float, logprobs: bool = False, loads: tuple = ()) -> None:
     """Compiles what a run calls besides the functions `working_memory` compiled: the
     embedding and the head at the decode shapes (their XLA bytes are at most those at the
     prompt's), and the dequantization of every loaded packed tensor ((packed shape, dim) each)."""
@@ -352,17 +355,18 @@ class Steps:
     compile_.analyse(self.embed, on(params['embed']), ids, ids)
     self._analyse_head(on(params['head']), _spec((geom.rows, 1, self.cfg.hidden_size),
                                                  self.compute, self.device), temperature, top_p,
-                       compile_)
+                       logprobs, compile_)
     for shape, dim in loads:
       self.analyse_load(shape, dim, compile_)
 
   def _compiler(self, quick: bool = False) -> _Compile:
     return _Compile({'device': self.device, 'cpu': self.cpu}, quick=quick)
 
-  def _analyse_head(self, params, x, temperature, top_p, compiler: _Compile) -> StepMemory:
+  def _analyse_head(self, params, x, temperature, top_p, logprobs,
+                    compiler: _Compile) -> StepMemory:
     counters = _spec((x.shape[0], 2), np.uint32, self.device)
     return compiler.analyse(self.head, params, x, counters, temperature=temperature,
-                            top_p=top_p)
+                            top_p=top_p, logprobs=logprobs)
 
   def analyse_load(self, shape: tuple[int, ...], dim: int, compiler: _Compile) -> StepMemory:
     """Compiles the dequantization of a loaded tensor packed as `shape` (uint8 rows)."""
@@ -398,18 +402,21 @@ class Steps:
 
 # ---- the pure step functions --------------------------------------------------------------------
 def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, temperature: float,
-                top_p: float):
+                top_p: float, logprobs: bool = False):
   """LM head of the last position and the next token.
 
   Args:
     x: [b, s, hidden]; counters: uint32 [b, 2] (the row's seed, token) naming each row's
       sampling key.
+    logprobs: also each chosen token's log-probability under the model's distribution
+      (softmax of the logits: before temperature and top-p).
   Returns:
-    (logits [b, vocab] float32, tokens [b] int32).
+    (logits [b, vocab] float32, tokens [b] int32, log-probabilities [b] float32 or None).
   """
   logits = layers(cfg).head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
   keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(c[0]), c[1]))(counters)
-  return logits, next_token(logits, keys, temperature=temperature, top_p=top_p)
+  tokens = next_token(logits, keys, temperature=temperature, top_p=top_p)
+  return logits, tokens, token_logprobs(logits, tokens) if logprobs else None
 
 
 def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, cache_dtype,

@@ -4,6 +4,7 @@ does not know fails the test, so a new README command comes with its check."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -164,6 +165,9 @@ def test_the_checkpoint_examples_run_on_a_tiny_model(pre_ln, workdir):
               + [f'--hw_profile={CPU_PROFILE}'], workdir)
   lines = (workdir / 'out.jsonl').read_text().splitlines()
   assert len(lines) == 3 and all('"error": null' in line for line in lines)
+  asked = {row['id']: row for row in map(json.loads, lines)}
+  assert len(asked['q2']['logprobs']) == len(asked['q2']['output_tokens']) > 0
+  assert 'logprobs' not in asked['q1']
   shape = re.search(r'policy: (\d+)x(\d+) ', proc.stdout)
   assert int(shape[1]) * int(shape[2]) <= 4, proc.stdout  # the searched block fits three rows
   python = code_blocks('python')[0].replace('print(', 'print("GENERATED", ')
