@@ -51,8 +51,8 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
                       'streamed block by block, resumable).', **f)
   flags.DEFINE_string('input', None, 'A batch job: JSONL rows {"id", "prompt" or "tokens", and '
                       'optionally "max_new_tokens", "stop", "temperature", "top_p", "seed", '
-                      '"logprobs"}; needs --output. Run again with the same command after an interruption '
-                      'to resume.', **f)
+                      '"logprobs"}; needs --output. Run again with the same command after an '
+                      'interruption to resume.', **f)
   flags.DEFINE_bool('bucket', True, 'Batch a job\'s rows by length so blocks pad little (else '
                     'every block pads to the longest prompt and output).', **f)
   flags.DEFINE_bool('progress', True, 'Progress bars on a terminal (--noprogress: none).', **f)
