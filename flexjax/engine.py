@@ -23,7 +23,7 @@ from flexjax.executor import Executor, new_batches
 from flexjax.mover import BREAKDOWN_PARTS, Clock, Mover
 from flexjax.placement import cpu_quantizer, open_layout, place_weights
 from flexjax.policy import Policy
-from flexjax.sampler import trim
+from flexjax.sampler import Logprobs, trim
 from flexjax.storage import Storage
 from flexjax.weights import WeightSource
 
@@ -31,6 +31,7 @@ __all__ = ['BREAKDOWN_PARTS', 'Engine', 'GenerationConfig', 'GenerationResult', 
 
 
 ROW_READERS = 8  # threads reading the token rows of embedding steps
+MAX_TOP_LOGPROBS = 20  # most likely tokens a step's log-probabilities may be given for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class GenerationConfig:
   seed: int = 0
   stop_at_eos: bool = True
   logprobs: bool = False  # keep each sampled token's log-probability (GenerationResult)
+  top_logprobs: int = 0  # and those of each step's this many most likely tokens (then logprobs)
 
   def __post_init__(self):
     if self.gen_len <= 0:
@@ -54,6 +56,14 @@ class GenerationConfig:
       raise FlexjaxError(f'top_p={self.top_p} must be in (0, 1]')
     if self.seed < 0:
       raise FlexjaxError(f'seed={self.seed} must be >= 0')
+    if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+      raise FlexjaxError(f'top_logprobs={self.top_logprobs} must be an integer in '
+                         f'[0, {MAX_TOP_LOGPROBS}] (0: none)')
+
+  @property
+  def asked_logprobs(self) -> Logprobs:
+    """The log-probabilities the head step computes."""
+    return Logprobs(chosen=self.logprobs or self.top_logprobs > 0, top=self.top_logprobs)
 
 
 @dataclasses.dataclass
@@ -80,10 +90,29 @@ class GenerationResult:
   # [num_prompts, gen_len] float32 with gen.logprobs: each token's log-probability under the
   # model's distribution (before temperature and top-p); zeros after a row's EOS or limit
   token_logprobs: np.ndarray | None = None
+  # with gen.top_logprobs = k: each step's k most likely tokens, most likely first: their ids
+  # [num_prompts, gen_len, k] int32 and log-probabilities (float32); zeros after EOS or limit
+  top_ids: np.ndarray | None = None
+  top_logprobs: np.ndarray | None = None
   # Without overlap: seconds per phase ('prefill', 'decode') and part of the work (BREAKDOWN_PARTS
   # and 'total'); None under overlap, where the parts run at the same time.
   breakdown: dict[str, dict[str, float]] | None = None
   plan: plan_lib.ExecutionPlan | None = None
+
+  def logprob_fields(self, row: int, n: int, *, chosen: bool = True,
+                     top: int | None = None) -> dict[str, list]:
+    """An output line's log-probabilities of prompt `row`'s first n new tokens, of those the
+    result holds: 'logprobs' (one per token; not where `chosen` is false) and 'top_logprobs'
+    (per token, the `top` most likely as [id, log-probability], most likely first; by default
+    all the result holds, none for 0)."""
+    out = {}
+    if self.token_logprobs is not None and chosen:
+      out['logprobs'] = [float(v) for v in self.token_logprobs[row, :n]]
+    if self.top_ids is not None and top != 0:
+      ids, values = self.top_ids[row, :n, :top], self.top_logprobs[row, :n, :top]
+      out['top_logprobs'] = [[[int(t), float(v)] for t, v in zip(*step)]
+                             for step in zip(ids, values)]
+    return out
 
   @property
   def decode_weight_stream(self) -> float:
@@ -232,7 +261,7 @@ class Engine:
     return self.planner.run_plan(policy or self.policy, self.budgets, prompt_len=prompt_len,
                                  gen_len=gen.gen_len, return_logits=return_logits,
                                  temperature=gen.temperature, top_p=gen.top_p,
-                                 logprobs=gen.logprobs)
+                                 logprobs=gen.asked_logprobs)
 
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
@@ -284,9 +313,12 @@ class Engine:
       raise FlexjaxError(f'limits must lie in [1, gen_len={gen.gen_len}]; got '
                          f'[{limits.min()}, {limits.max()}]')
     self._check_length(prompt_len + gen.gen_len - 1)
-    if forced_tokens is not None and gen.logprobs:
+    if forced_tokens is not None and gen.asked_logprobs:
       raise FlexjaxError('logprobs are those of sampled tokens; with forced_tokens ask for '
                          'return_logits and read the forced tokens\' scores from the logits')
+    if gen.top_logprobs > self.config.vocab_size:
+      raise FlexjaxError(f'top_logprobs={gen.top_logprobs} exceeds the '
+                         f'{self.config.vocab_size} tokens of {self.config.name}\'s vocabulary')
     if forced_tokens is not None:
       for i, forced in enumerate(forced_tokens):
         _check_ids(f'forced_tokens[{i}]', forced, self.config.vocab_size)
@@ -310,7 +342,7 @@ class Engine:
     # plan's own compiles); jax's jit reuses those executables, and no step runs before timing.
     self.planner.compile_run(policy, prompt_len=prompt_len, gen_len=gen.gen_len,
                              temperature=gen.temperature, top_p=gen.top_p,
-                             logprobs=gen.logprobs)
+                             logprobs=gen.asked_logprobs)
     self.stats = _new_stats(self.config)
     for account in self.storage.accounts.values():
       account.peak = account.current
@@ -326,7 +358,8 @@ class Engine:
                             clock=clock)
       outs.append(res['tokens'])
       logits.append(res['logits'])
-      logprobs.append(res['logprobs'])
+      if res['logprobs'] is not None:
+        logprobs.append(res['logprobs'])
       prefill_s += res['prefill_s']
       decode_s += res['decode_s']
       generated += res['generated']
@@ -341,7 +374,7 @@ class Engine:
         disk_weight_bytes=dict(self.stats['disk_weights_by_phase']),
         staging_bytes=self.stats['staging_bytes'],
         logits=np.concatenate(logits)[:n] if return_logits else None,
-        token_logprobs=np.concatenate(logprobs)[:n] if gen.logprobs else None,
+        **_logprob_fields(logprobs, n),
         breakdown=_breakdown(clock, prefill_s, decode_s), plan=plan)
 
   def _call_policy(self, policy: Policy | None) -> Policy:
@@ -368,7 +401,7 @@ class Engine:
     executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
     batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
                           mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
-                          return_logits=return_logits, logprobs=gen.logprobs, forced=forced,
+                          return_logits=return_logits, logprobs=gen.asked_logprobs, forced=forced,
                           seeds=seeds, limits=limits)
     mover.start()
     try:
@@ -381,8 +414,9 @@ class Engine:
     return dict(tokens=np.concatenate([batch.out for batch in batches]),
                 logits=(np.concatenate([batch.logits for batch in batches]) if return_logits
                         else None),
-                logprobs=(np.concatenate([batch.logprobs for batch in batches]) if gen.logprobs
-                          else None),
+                logprobs=(None if batches[0].logprobs is None else
+                          {key: np.concatenate([batch.logprobs[key] for batch in batches])
+                           for key in batches[0].logprobs}),
                 prefill_s=prefill_s, decode_s=decode_s, generated=generated)
 
   _reads_ahead = True  # whether a block may read disk weights two stages ahead (plan permitting)
@@ -433,6 +467,15 @@ class Engine:
       raise FlexjaxError(
           f'prompt plus generated tokens need {total} positions but {self.config.name} has '
           f'{self.config.max_positions}; shorten the prompts or --gen_len')
+
+
+def _logprob_fields(blocks: list[dict[str, np.ndarray]], n: int) -> dict[str, np.ndarray]:
+  """GenerationResult's log-probability fields from each block's kept arrays (executor.Batch
+  .logprobs), the first n rows; none where no block kept any."""
+  if not blocks:
+    return {}
+  names = {'chosen': 'token_logprobs', 'top_ids': 'top_ids', 'top_logprobs': 'top_logprobs'}
+  return {names[key]: np.concatenate([block[key] for block in blocks])[:n] for key in blocks[0]}
 
 
 def _check_ids(what: str, ids, vocab_size: int) -> None:

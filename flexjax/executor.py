@@ -16,6 +16,7 @@ from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
 from flexjax.mover import Mover
 from flexjax.policy import Policy
+from flexjax.sampler import Logprobs
 from flexjax.schedule import Step, block_schedule
 from flexjax.steps import Geometry, StepInputs, Steps
 from flexjax.storage import SplitArray, Storage
@@ -33,7 +34,9 @@ class Batch:
   out: np.ndarray  # [b, gen_len]
   finished: np.ndarray  # [b]
   logits: np.ndarray | None
-  logprobs: np.ndarray | None  # [b, gen_len] float32: the sampled tokens' log-probabilities
+  # log-probabilities kept (sampler.Logprobs): 'chosen' [b, gen_len] float32, and with top k
+  # 'top_ids' [b, gen_len, k] int32 and 'top_logprobs' [b, gen_len, k] float32; or None
+  logprobs: dict[str, np.ndarray] | None
   hidden: SplitArray
   caches: list[tuple[SplitArray, SplitArray]]
   seeds: np.ndarray | None = None  # [b] uint32: each row's sampling seed
@@ -54,7 +57,7 @@ class Batch:
 
 
 def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps, *, tokens,
-                mask, real_rows: int, gen_len: int, return_logits: bool, logprobs: bool,
+                mask, real_rows: int, gen_len: int, return_logits: bool, logprobs: Logprobs,
                 forced, seeds, limits) -> list[Batch]:
   """The GPU batches of a block with their caches and hidden states allocated on their tiers.
   seeds, limits: [block] per-row sampling seeds and new-token limits."""
@@ -73,7 +76,7 @@ def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps
           out=np.full((b, gen_len), cfg.pad_token_id, np.int32), finished=np.zeros(b, bool),
           logits=(np.zeros((b, gen_len, cfg.vocab_size), np.float32) if return_logits
                   else None),
-          logprobs=np.zeros((b, gen_len), np.float32) if logprobs else None,
+          logprobs=kept_logprobs(logprobs, b, gen_len),
           hidden=SplitArray(storage, (b, s, cfg.hidden_size), steps.compute,
                             policy.rows('act'), preallocate_device=False, kind='hidden'),
           caches=[], seeds=seeds[rows], limits=limits[rows],
@@ -91,6 +94,17 @@ def new_batches(cfg: ModelConfig, policy: Policy, storage: Storage, steps: Steps
       batch.close()
     raise
   return batches
+
+
+def kept_logprobs(asked: Logprobs, rows: int, gen_len: int) -> dict[str, np.ndarray] | None:
+  """A batch's arrays of the log-probabilities asked for (Batch.logprobs), zeros."""
+  if not asked:
+    return None
+  out = {'chosen': np.zeros((rows, gen_len), np.float32)}
+  if asked.top:
+    out['top_ids'] = np.zeros((rows, gen_len, asked.top), np.int32)
+    out['top_logprobs'] = np.zeros((rows, gen_len, asked.top), np.float32)
+  return out
 
 
 def next_stages(steps: list[Step], n: int, count: int) -> list[int]:
@@ -220,15 +234,19 @@ class Executor:
     s = batch.tokens.shape[1]
     if stage == self.num_stages - 1:
       counters = np.stack([batch.seeds, np.full_like(batch.seeds, token)], axis=1)
-      logits, sample, logprobs = steps.head_step(params, inputs['hidden'], self._put(counters),
-                                                 temperature=gen.temperature, top_p=gen.top_p,
-                                                 logprobs=gen.logprobs)
+      logits, sample, scores = steps.head_step(params, inputs['hidden'], self._put(counters),
+                                               temperature=gen.temperature, top_p=gen.top_p,
+                                               logprobs=gen.asked_logprobs)
       chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
       batch.out[:, token] = np.where(batch.finished, self.cfg.pad_token_id, chosen)
       if batch.logits is not None:  # a finished row's are zeros, however long its block runs
         batch.logits[:, token] = np.where(batch.finished[:, None], 0, np.asarray(logits))
       if batch.logprobs is not None:
-        batch.logprobs[:, token] = np.where(batch.finished, 0, np.asarray(logprobs))
+        chosen, top = scores
+        for key, values in (('chosen', chosen), *zip(('top_ids', 'top_logprobs'), top or ())):
+          values = np.asarray(values)
+          finished = batch.finished.reshape(-1, *(1,) * (values.ndim - 1))
+          batch.logprobs[key][:, token] = np.where(finished, 0, values)
       batch.steps = token + 1
       if gen.stop_at_eos:
         batch.finished |= batch.out[:, token] == self.cfg.eos_token_id

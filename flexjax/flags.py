@@ -47,6 +47,9 @@ def define_flags(fv: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_bool('logprobs', False, 'Give each new token\'s log-probability under the model '
                     '(before temperature and top-p) in --output\'s lines ("logprobs"; a job\'s '
                     'row may ask with "logprobs": true).', **f)
+  flags.DEFINE_integer('top_logprobs', 0, 'Also give each step\'s this many most likely tokens '
+                       'with their log-probabilities ("top_logprobs": [[id, logprob], ...] per '
+                       'token; a job\'s row may ask with "top_logprobs": k).', **f)
   flags.DEFINE_string('output', None, 'Write generations here as JSON lines (with --input: '
                       'streamed block by block, resumable).', **f)
   flags.DEFINE_string('input', None, 'A batch job: JSONL rows {"id", "prompt" or "tokens", and '
@@ -183,7 +186,8 @@ def run_config_from_flags(fv: flags.FlagValues = flags.FLAGS) -> RunConfig:
                        '--weights=checkpoint to use it')
   budgets = budgets_from_flags(fv)
   gen = GenerationConfig(gen_len=fv.gen_len, temperature=fv.temperature, top_p=fv.top_p,
-                         seed=fv.seed, stop_at_eos=fv.stop_at_eos, logprobs=fv.logprobs)
+                         seed=fv.seed, stop_at_eos=fv.stop_at_eos, logprobs=fv.logprobs,
+                         top_logprobs=fv.top_logprobs)
   policy = policy_from_flags(fv)
   return RunConfig(
       model=fv.model if (fv.weights == 'dummy' or fv['model'].present) else None,

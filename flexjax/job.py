@@ -1,8 +1,9 @@
 """Batch jobs: a JSONL file of rows in, a JSONL file of generations out, durably and resumably.
 
 A row is a JSON object: `id` (default: its line number), `prompt` (text) or `tokens` (ids), and
-optionally `max_new_tokens`, `stop` (a string or a list), `temperature`, `top_p`, `seed` and
-`logprobs` (true: the output line gives each new token's log-probability). Rows
+optionally `max_new_tokens`, `stop` (a string or a list), `temperature`, `top_p`, `seed`,
+`logprobs` (true: the output line gives each new token's log-probability) and `top_logprobs` (k:
+also each step's k most likely tokens with theirs). Rows
 are bucketed by length into blocks of the policy's block size, so that a block pads its prompts
 to a few distinct lengths only (`--nobucket`: every block pads to the longest prompt and the
 longest output, as FlexGen does).
@@ -50,7 +51,7 @@ from flexjax.tokenizer import Tokenizer
 FORMAT = 'flexjax-job-v1'
 PROGRESS_SUFFIX = '.progress'  # the progress file: the output's path and this
 FIELDS = ('id', 'prompt', 'tokens', 'max_new_tokens', 'stop', 'temperature', 'top_p', 'seed',
-          'logprobs')
+          'logprobs', 'top_logprobs')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Row:
   top_p: float
   seed: int
   logprobs: bool = False  # its output gives each new token's log-probability
+  top_logprobs: int = 0  # and each step's this many most likely tokens with theirs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +91,11 @@ class Block:
     return self.rows[0].temperature, self.rows[0].top_p
 
   @property
-  def logprobs(self) -> bool:
-    """Whether a row of the block asks for its tokens' log-probabilities."""
-    return any(row.logprobs for row in self.rows)
+  def logprobs(self) -> tuple[bool, int]:
+    """(whether a row of the block asks for its tokens' log-probabilities, the most top
+    tokens' a row asks for)."""
+    return (any(row.logprobs for row in self.rows),
+            max(row.top_logprobs for row in self.rows))
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -189,12 +193,16 @@ def _row(record, line: int, row_id, cfg: ModelConfig, tokenizer: Tokenizer | Non
   logprobs = record.get('logprobs', defaults.logprobs)
   if not isinstance(logprobs, bool):
     raise FlexjaxError(f'"logprobs" is {logprobs!r}; it must be true or false')
+  top = _number(record, 'top_logprobs', defaults.top_logprobs, int)
   try:
-    GenerationConfig(gen_len=new, temperature=temperature, top_p=top_p)
+    GenerationConfig(gen_len=new, temperature=temperature, top_p=top_p, top_logprobs=top)
   except FlexjaxError as e:
     raise FlexjaxError(str(e).replace('temperature=', '"temperature" ').replace(
-        'top_p=', '"top_p" ')) from None
-  return Row(line, row_id, tuple(tokens), new, tuple(stop), temperature, top_p, seed, logprobs)
+        'top_p=', '"top_p" ').replace('top_logprobs=', '"top_logprobs" ')) from None
+  if top > cfg.vocab_size:
+    raise FlexjaxError(f'"top_logprobs" is {top}; {cfg.name} has {cfg.vocab_size} tokens')
+  return Row(line, row_id, tuple(tokens), new, tuple(stop), temperature, top_p, seed,
+             logprobs or top > 0, top)
 
 
 def _number(record: dict, key: str, default, kind):
@@ -526,16 +534,17 @@ def run_blocks(engine: Engine, blocks: Sequence[Block], done: set[int],
       shape = (block.pad_to, block.gen_len)
       temperature, top_p = block.sampling
       gen = GenerationConfig(gen_len=block.gen_len, temperature=temperature, top_p=top_p,
-                             stop_at_eos=stop_at_eos, logprobs=block.logprobs)
+                             stop_at_eos=stop_at_eos, logprobs=block.logprobs[0],
+                             top_logprobs=block.logprobs[1])
       start = time.perf_counter()
       result = engine.generate([list(r.tokens) for r in block.rows], gen,
                                seeds=[r.seed for r in block.rows],
                                limits=[r.max_new_tokens for r in block.rows],
                                pad_to=block.pad_to)
-      logprobs = (result.token_logprobs if block.logprobs
-                  else [None] * len(block.rows))
-      records = [_record(row, seq, values, tokenizer, eos)
-                 for row, seq, values in zip(block.rows, result.sequences, logprobs)]
+      records = [_record(row, seq, tokenizer, eos,
+                         lambda n, i=i, row=row: result.logprob_fields(
+                             i, n, chosen=row.logprobs, top=row.top_logprobs))
+                 for i, (row, seq) in enumerate(zip(block.rows, result.sequences))]
       write(block.number, records)
       memwatch.return_free_memory()  # the next block's buffers start from a trimmed heap
       tally.seconds += time.perf_counter() - start
@@ -550,10 +559,10 @@ def run_blocks(engine: Engine, blocks: Sequence[Block], done: set[int],
   return tally
 
 
-def _record(row: Row, seq: np.ndarray, logprobs: np.ndarray | None,
-            tokenizer: Tokenizer | None, eos: int) -> dict:
+def _record(row: Row, seq: np.ndarray, tokenizer: Tokenizer | None, eos: int,
+            logprobs: Callable[[int], dict]) -> dict:
   """An output line: the row's id and line, its new tokens (cut at a stop string) and text,
-  and where the row asks for them the tokens' log-probabilities (`logprobs`: [gen_len])."""
+  and logprobs(number of tokens kept): the log-probabilities the row asks for."""
   ids = [int(t) for t in seq[:row.max_new_tokens]]
   reason = 'eos' if ids and ids[-1] == eos else 'length'
   record = {'id': row.id, 'line': row.line, 'prompt_tokens': len(row.tokens)}
@@ -565,8 +574,7 @@ def _record(row: Row, seq: np.ndarray, logprobs: np.ndarray | None,
       ids, text, reason = _tokens_through(ids, tokenizer, stop), text[:cut], 'stop'
     record['output'] = text
   record.update(output_tokens=ids, finish_reason=reason, error=None)
-  if row.logprobs:
-    record['logprobs'] = [float(v) for v in logprobs[:len(ids)]]
+  record.update(logprobs(len(ids)))
   return record
 
 
@@ -803,7 +811,9 @@ def job_of(rc, source, compute_dtype: str, text: str) -> str:
                          gen_len=rc.generation.gen_len, temperature=rc.generation.temperature,
                          top_p=rc.generation.top_p, seed=rc.generation.seed, bucket=rc.bucket,
                          # (named only when on: jobs begun without it keep their fingerprint)
-                         **({'logprobs': True} if rc.generation.logprobs else {}))
+                         **({'logprobs': True} if rc.generation.logprobs else {}),
+                         **({'top_logprobs': rc.generation.top_logprobs}
+                            if rc.generation.top_logprobs else {}))
 
 
 def _weights_identity(rc, source) -> dict[str, Any]:

@@ -303,10 +303,12 @@ class StageEngine(Engine):
     finally:
       if first is not None:
         executor.mover.free_weights(first.result())
-    if gen.logprobs:  # the sampling stage's log-probabilities (zeros elsewhere) reach every stage
-      every = self.link.total(np.stack([batch.logprobs for batch in batches]))
-      for batch, values in zip(batches, every):
-        batch.logprobs[:] = values
+    if batches[0].logprobs is not None:
+      # the sampling stage's log-probabilities (zeros elsewhere) reach every stage
+      for key in batches[0].logprobs:
+        every = self.link.total(np.stack([batch.logprobs[key] for batch in batches]))
+        for batch, values in zip(batches, every):
+          batch.logprobs[key][:] = values
     total = time.perf_counter() - start
     prefill_s = total if prefill_s is None else prefill_s
     return prefill_s, total - prefill_s

@@ -26,6 +26,7 @@ from flexjax.model import linear
 from flexjax.model import params as params_lib
 from flexjax.policy import Policy, flexgen_tiers, share_order, split_by_share
 from flexjax.quant import Packed
+from flexjax.sampler import Logprobs
 
 Path = tuple[str, ...]
 TIERS = ('device', 'host', 'disk')
@@ -379,7 +380,7 @@ class Shape:
   device_is_host: bool  # a CPU backend: device and host tiers are the same RAM
   return_logits: bool = False
   read_ahead: bool = False  # under overlap: disk reads of the stage after next start early
-  logprobs: bool = False  # the sampled tokens' log-probabilities are kept
+  logprobs: Logprobs = Logprobs()  # the log-probabilities the block keeps
 
   @property
   def total_len(self) -> int:
@@ -512,7 +513,7 @@ def buffers(shape: Shape, shares: Shares, totals: WeightTotals, xla: dict[str, A
   if shape.return_logits:
     out.append(Buffer('logits', 'host', g * b * shape.gen_len * cfg.vocab_size * 4, 1, RUN,
                       'logits of the block, returned'))
-  outputs = shape.gen_len * 4 * (2 if shape.logprobs else 1)  # tokens (and log-probabilities)
+  outputs = shape.gen_len * 4 + shape.logprobs.host_bytes(shape.gen_len)
   out.append(Buffer('block.host_state', 'host', g * b * (outputs + t + 2 * s * 5), 1,
                     RUN, 'tokens, masks and outputs of the block'))
   return out
@@ -832,13 +833,13 @@ class Planner:
 
   def shape(self, policy: Policy, prompt_len: int, gen_len: int, *,
             return_logits: bool = False, read_ahead: bool = False,
-            logprobs: bool = False) -> Shape:
+            logprobs: Logprobs = Logprobs()) -> Shape:
     return Shape(self.cfg, policy, self.sizes, prompt_len, gen_len, self.device_is_host,
                  return_logits, read_ahead, logprobs)
 
   def working(self, policy: Policy, *, rows: int, device_rows: int, cpu_attention: bool,
               prompt_len: int, gen_len: int, temperature: float = 0.0,
-              top_p: float = 1.0, logprobs: bool = False, compile: bool = False,
+              top_p: float = 1.0, logprobs: Logprobs = Logprobs(), compile: bool = False,
               quick: bool = False) -> dict:
     """XLA bytes per step kind at these shapes, measured once per planner by compiling the
     steps (steps.Steps.working_memory). `compile`: the run's warm-up, whose executables must be
@@ -869,7 +870,8 @@ class Planner:
     return self._working[key]
 
   def compile_run(self, policy: Policy, *, prompt_len: int, gen_len: int,
-                  temperature: float = 0.0, top_p: float = 1.0, logprobs: bool = False) -> None:
+                  temperature: float = 0.0, top_p: float = 1.0,
+                  logprobs: Logprobs = Logprobs()) -> None:
     """Compiles every function a run of `policy` calls (the run's warm-up: jax's jit reuses
     the executables): its plan's steps (`working`), then the rest (steps.Steps.compile_rest),
     among them the dequantization of every distinct packed weight tensor, or part of one, that
@@ -894,7 +896,7 @@ class Planner:
       self._compiled_rest.add(key)
 
   def xla(self, policy: Policy, *, prompt_len: int, gen_len: int, temperature: float = 0.0,
-          top_p: float = 1.0, logprobs: bool = False,
+          top_p: float = 1.0, logprobs: Logprobs = Logprobs(),
           estimate: bool = False) -> dict[str, Any]:
     """XLA bytes per step kind of `policy`: compiled at its real shapes, or (estimate) from
     the steps compiled for two consecutive sequence counts, extended linearly to the GPU batch
@@ -920,7 +922,7 @@ class Planner:
     return {k: max(one[k], one[k] + (b - low) * (two[k] - one[k])) for k in one}
 
   def plan(self, policy: Policy, *, prompt_len: int, gen_len: int, return_logits: bool = False,
-           temperature: float = 0.0, top_p: float = 1.0, logprobs: bool = False,
+           temperature: float = 0.0, top_p: float = 1.0, logprobs: Logprobs = Logprobs(),
            estimate: bool = False, read_ahead: bool = False) -> ExecutionPlan:
     """The plan of a run of `policy`: exact (its steps compiled at their real shapes), or with
     XLA's bytes estimated (`xla`). The search plans without read-ahead (the least a policy

@@ -392,7 +392,7 @@ def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_
   caller that runs refuses on the latter before any weight is read."""
   plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
                              temperature=rc.generation.temperature, top_p=rc.generation.top_p,
-                             logprobs=rc.generation.logprobs)
+                             logprobs=rc.generation.asked_logprobs)
   head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': st.profile.name if st.profile else None,
           **_prediction_fields(prediction),
@@ -519,7 +519,6 @@ def write_outputs(path: str, prompts, texts, result: GenerationResult,
               'output_tokens': seq.tolist()}
     if tokenizer is not None:
       record['output'] = tokenizer.decode(seq)
-    if result.token_logprobs is not None:
-      record['logprobs'] = [float(v) for v in result.token_logprobs[i, :len(seq)]]
+    record.update(result.logprob_fields(i, len(seq)))
     lines.append(json.dumps(record) + '\n')
   write_atomically(path, ''.join(lines))

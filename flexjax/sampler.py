@@ -3,6 +3,8 @@ trimming at EOS."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,11 +52,32 @@ def next_token(logits: jax.Array, keys: jax.Array, *, temperature: float, top_p:
   return first_max(logits + noise)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-  """log softmax(logits)[token] of each row: logits [b, vocab] float32, tokens [b] -> [b]
-  float32 (the model's own distribution, whatever the sampling that chose the token)."""
-  chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-  return chosen - jax.nn.logsumexp(logits, axis=-1)
+@dataclasses.dataclass(frozen=True)
+class Logprobs:
+  """Which log-probabilities the head step computes (a static argument of its program)."""
+
+  chosen: bool = False  # each chosen token's
+  top: int = 0  # the `top` most likely tokens' at each step, with their ids
+
+  def __bool__(self) -> bool:
+    return self.chosen or self.top > 0
+
+  def host_bytes(self, steps: int) -> int:
+    """Bytes a row keeps of them over `steps` tokens."""
+    return steps * (4 * self.chosen + 8 * self.top)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int = 0):
+  """Log-probabilities under the model's own distribution (log softmax of the logits, whatever
+  the sampling that chose the tokens). logits [b, vocab] float32, tokens [b] ->
+  (each row's token's [b] float32, and with top > 0 the row's `top` most likely tokens, most
+  likely first: ids [b, top] int32 and their values [b, top] float32, else None and None)."""
+  normaliser = jax.nn.logsumexp(logits, axis=-1)
+  chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - normaliser
+  if not top:
+    return chosen, None, None
+  values, ids = jax.lax.top_k(logits, top)
+  return chosen, ids.astype(jnp.int32), values - normaliser[:, None]
 
 
 def trim(row: np.ndarray, eos_id: int, stop_at_eos: bool) -> np.ndarray:

@@ -25,7 +25,7 @@ from flexjax.model.family import layers
 from flexjax.plan import sparse_keep
 from flexjax.policy import Policy
 from flexjax.quant import QuantConfig
-from flexjax.sampler import next_token, token_logprobs
+from flexjax.sampler import Logprobs, next_token, token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +235,9 @@ class Steps:
                       slot=jax.device_put(np.int32(slot), self.device))
 
   def head_step(self, params, x, counters, *, temperature: float, top_p: float,
-                logprobs: bool = False, call=RUN):
+                logprobs: Logprobs = Logprobs(), call=RUN):
     """LM head of the last position and the next token: (logits [b, vocab] f32, tokens [b],
-    the tokens' log-probabilities [b] f32 where `logprobs`, else None)."""
+    log-probabilities or None: see head_sample)."""
     return call(self.head, params, x, counters, temperature=temperature, top_p=top_p,
                 logprobs=logprobs)
 
@@ -291,7 +291,8 @@ class Steps:
 
   # ---- working memory ---------------------------------------------------------------------------
   def working_memory(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
-                     top_p: float, logprobs: bool = False, largest_load: tuple | None = None,
+                     top_p: float, logprobs: Logprobs = Logprobs(),
+                     largest_load: tuple | None = None,
                      largest_tensor: tuple[int, ...] | None = None,
                      quick: bool = False) -> dict[str, StepMemory]:
     """Compiles the functions a run calls, at its real shapes and with the shardings its
@@ -345,7 +346,8 @@ class Steps:
     return out
 
   def compile_rest(self, *, params: dict[str, dict], geom: Geometry, temperature: float,
-                   top_p: float, logprobs: bool = False, loads: tuple = ()) -> None:
+                   top_p: float, logprobs: Logprobs = Logprobs(),
+                   loads: tuple = ()) -> None:
     """Compiles what a run calls besides the functions `working_memory` compiled: the
     embedding and the head at the decode shapes (their XLA bytes are at most those at the
     prompt's), and the dequantization of every loaded packed tensor ((packed shape, dim) each)."""
@@ -362,7 +364,7 @@ class Steps:
   def _compiler(self, quick: bool = False) -> _Compile:
     return _Compile({'device': self.device, 'cpu': self.cpu}, quick=quick)
 
-  def _analyse_head(self, params, x, temperature, top_p, logprobs,
+  def _analyse_head(self, params, x, temperature, top_p, logprobs: Logprobs,
                     compiler: _Compile) -> StepMemory:
     counters = _spec((x.shape[0], 2), np.uint32, self.device)
     return compiler.analyse(self.head, params, x, counters, temperature=temperature,
@@ -402,21 +404,27 @@ class Steps:
 
 # ---- the pure step functions --------------------------------------------------------------------
 def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, temperature: float,
-                top_p: float, logprobs: bool = False):
+                top_p: float, logprobs: Logprobs = Logprobs()):
   """LM head of the last position and the next token.
 
   Args:
     x: [b, s, hidden]; counters: uint32 [b, 2] (the row's seed, token) naming each row's
       sampling key.
-    logprobs: also each chosen token's log-probability under the model's distribution
-      (softmax of the logits: before temperature and top-p).
+    logprobs: which log-probabilities to give too (sampler.token_logprobs: the model's
+      distribution, before temperature and top-p).
   Returns:
-    (logits [b, vocab] float32, tokens [b] int32, log-probabilities [b] float32 or None).
+    (logits [b, vocab] float32, tokens [b] int32, None where neither is asked, else (the
+    tokens' [b] float32 or None, the most likely (ids [b, k] int32, values [b, k] float32) or
+    None)).
   """
   logits = layers(cfg).head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
   keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(c[0]), c[1]))(counters)
   tokens = next_token(logits, keys, temperature=temperature, top_p=top_p)
-  return logits, tokens, token_logprobs(logits, tokens) if logprobs else None
+  if not logprobs:
+    return logits, tokens, None
+  chosen, ids, values = token_logprobs(logits, tokens, logprobs.top)
+  return logits, tokens, (chosen if logprobs.chosen else None,
+                          (ids, values) if logprobs.top else None)
 
 
 def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, cache_dtype,

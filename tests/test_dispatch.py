@@ -145,17 +145,17 @@ SLOW_COMPILED = ('sparse_offloaded',)
 def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
   """generate()'s warm-up (plan.Planner.compile_run: the plan's compiles and the few it lacks)
   leaves nothing for the run to compile; a model of its own shape, so no earlier test compiled
-  these steps (every other one keeping its tokens' log-probabilities)."""
+  these steps (two of them keeping log-probabilities: the tokens', and the top three's)."""
   cfg = ModelConfig(name=f'compiles-{index}', num_layers=2, hidden_size=48 + 16 * index,
                     num_heads=4, ffn_dim=96, vocab_size=300 + index, max_positions=64)
   prompts = [[2] + list(range(10, 10 + n)) for n in (6, 3, 5, 2, 7, 4, 6, 1)]
-  gen = GenerationConfig(gen_len=4, temperature=0.7, top_p=0.9, stop_at_eos=False,
-                         logprobs=index % 2 == 1)
+  asked = {1: dict(logprobs=True), 3: dict(top_logprobs=3)}.get(index, {})
+  gen = GenerationConfig(gen_len=4, temperature=0.7, top_p=0.9, stop_at_eos=False, **asked)
   with Engine(DummyWeights(cfg, 'float32'), policy=COMPILED_POLICIES[name],
               offload_dir=str(tmp_path)) as engine:
     engine.planner.compile_run(engine.policy, prompt_len=max(map(len, prompts)),
                                gen_len=gen.gen_len, temperature=gen.temperature,
-                               top_p=gen.top_p, logprobs=gen.logprobs)  # as generate() first
+                               top_p=gen.top_p, logprobs=gen.asked_logprobs)  # as generate()
     with executables_built() as compiles:
       engine.generate(prompts, gen)
   assert compiles == []

@@ -1,5 +1,6 @@
-"""Log-probabilities of the generated tokens (GenerationConfig.logprobs, --logprobs, a job row's
-"logprobs"): the model's own distribution at each chosen token, on every placement."""
+"""Log-probabilities of the generated tokens (GenerationConfig.logprobs and top_logprobs,
+--logprobs, --top_logprobs, a job row's "logprobs" and "top_logprobs"): the model's own
+distribution at each chosen token and its most likely ones, on every placement."""
 
 from __future__ import annotations
 
@@ -39,6 +40,29 @@ def test_greedy_tokens_log_probabilities_are_transformers_log_softmax(pre_ln):
   assert result.token_logprobs.dtype == np.float32
   np.testing.assert_allclose(result.token_logprobs, expected, atol=1e-4, rtol=0)
   assert (result.token_logprobs < 0).all()
+
+
+def test_each_steps_most_likely_tokens_are_transformers_top_k(pre_ln):
+  """top_logprobs=k: each step's k most likely tokens, most likely first, with their log
+  probabilities (transformers' log softmax there); greedy: the first is the token chosen."""
+  gen = GenerationConfig(gen_len=6, stop_at_eos=False, top_logprobs=3)
+  result = pre_ln.engine(policy=Policy(gpu_batch_size=4)).generate(PROMPTS, gen)
+  ids, mask = left_pad(PROMPTS)
+  s = ids.shape[1]
+  full_ids = torch.cat([ids, torch.tensor(result.tokens[:, :-1])], dim=1)
+  full_mask = torch.cat([mask, torch.ones(len(PROMPTS), 5, dtype=mask.dtype)], dim=1)
+  ref = torch.log_softmax(torch.tensor(hf_logits(pre_ln.torch_model, full_ids, full_mask)
+                                       [:, s - 1:]), -1)
+  values, top = torch.topk(ref, 3, dim=-1)
+  assert result.top_ids.shape == result.top_logprobs.shape == (len(PROMPTS), 6, 3)
+  assert result.top_ids.dtype == np.int32 and result.top_logprobs.dtype == np.float32
+  np.testing.assert_array_equal(result.top_ids, top.numpy())
+  np.testing.assert_allclose(result.top_logprobs, values.numpy(), atol=1e-4, rtol=0)
+  np.testing.assert_array_equal(result.top_ids[..., 0], result.tokens)
+  np.testing.assert_array_equal(result.top_logprobs[..., 0], result.token_logprobs)
+  assert (np.diff(result.top_logprobs, axis=-1) <= 0).all()
+  with pytest.raises(FlexjaxError, match=r'top_logprobs=21 must be an integer in \[0, 20\]'):
+    GenerationConfig(top_logprobs=21)
 
 
 def test_sampled_tokens_log_probabilities_are_the_models_before_temperature(pre_ln):
@@ -98,7 +122,10 @@ def test_job_rows_ask_for_log_probabilities_one_by_one(pre_ln, tmp_path):
   rows = [{'id': 'lp', 'prompt': 'Paris is the capital', 'max_new_tokens': 8, 'logprobs': True},
           {'id': 'plain', 'prompt': 'Paris is the capital', 'max_new_tokens': 8},
           {'id': 'short', 'tokens': [2, 50, 60], 'max_new_tokens': 3, 'logprobs': True},
-          {'id': 'bad', 'tokens': [2, 5], 'logprobs': 'yes'}]
+          {'id': 'bad', 'tokens': [2, 5], 'logprobs': 'yes'},
+          {'id': 'top', 'tokens': [2, 50, 60], 'max_new_tokens': 3, 'top_logprobs': 2},
+          {'id': 'too-many', 'tokens': [2, 5], 'top_logprobs': 50},
+          {'id': 'vague', 'tokens': [2, 5], 'top_logprobs': 2.5}]
   path = tmp_path / 'rows.jsonl'
   path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
 
@@ -116,6 +143,16 @@ def test_job_rows_ask_for_log_probabilities_one_by_one(pre_ln, tmp_path):
   assert 'logprobs' not in got['plain']
   assert got['plain']['output_tokens'] == got['lp']['output_tokens']
   assert '"logprobs" is \'yes\'; it must be true or false' in got['bad']['error']
+  assert '"top_logprobs" 50 must be an integer in [0, 20]' in got['too-many']['error']
+  assert '"top_logprobs" is 2.5; it must be an integer' in got['vague']['error']
+  assert 'top_logprobs' not in got['lp'] and 'top_logprobs' not in got['short']
+  # top_logprobs gives logprobs too; its steps' first token is the greedy token
+  assert got['top']['output_tokens'] == got['short']['output_tokens']
+  assert got['top']['logprobs'] == got['short']['logprobs']
+  top = got['top']['top_logprobs']
+  assert [len(step) for step in top] == [2, 2, 2]
+  assert [step[0] for step in top] == [list(p) for p in zip(got['top']['output_tokens'],
+                                                            got['top']['logprobs'])]
   # the same greedy tokens' log-probabilities, whatever else the block asked for
   with Engine(Checkpoint(pre_ln.ckpt_dir), policy=Policy(gpu_batch_size=1)) as engine:
     alone = engine.generate([[2, 50, 60]], GenerationConfig(gen_len=3, logprobs=True))

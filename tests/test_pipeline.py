@@ -63,10 +63,10 @@ def single(ckpt: Path, policy: Policy, gen_len: int = 6):
 
 
 def single_result(ckpt: Path, policy: Policy, gen_len: int = 6):
-  """(one process's sequences, its tokens' log-probabilities [prompts, gen_len])."""
+  """(one process's sequences, its result with each step's two most likely tokens)."""
   with Engine(Checkpoint(ckpt), policy=policy) as engine:
-    result = engine.generate(PROMPTS, GenerationConfig(gen_len=gen_len, logprobs=True))
-  return [seq.tolist() for seq in result.sequences], result.token_logprobs
+    result = engine.generate(PROMPTS, GenerationConfig(gen_len=gen_len, top_logprobs=2))
+  return [seq.tolist() for seq in result.sequences], result
 
 
 # slow: the three offloaded stages below run micro-batches in groups too (3 groups of 2), the
@@ -86,17 +86,23 @@ def test_two_stages_equal_one_process(four_layers, tmp_path):
 def test_three_stages_offloaded_equal_one_process(four_layers, tmp_path):
   """Six GPU batches of one row in three groups of two (each stage busy with its own group); the
   last batches of the block are short of prompts. The last stage's log-probabilities of the
-  tokens reach stage 0's output."""
+  tokens and of each step's two most likely reach stage 0's output."""
   tokens, report = launch(four_layers, tmp_path, 3, *OFFLOADED, '--gpu_batch_size=1',
-                          '--num_gpu_batches=6', '--logprobs')
+                          '--num_gpu_batches=6', '--top_logprobs=2')
   policy = Policy(gpu_batch_size=1, num_gpu_batches=6, w_gpu_percent=0, w_cpu_percent=50,
                   cache_gpu_percent=0, cache_cpu_percent=100)
-  expected, logprobs = single_result(four_layers, policy)
+  expected, result = single_result(four_layers, policy)
   assert tokens == expected
   lines = [json.loads(line) for line in (tmp_path / 'out-3.jsonl').read_text().splitlines()]
-  for line, seq, values in zip(lines, expected, logprobs):
-    np.testing.assert_allclose(line['logprobs'], values[:len(seq)], atol=1e-5, rtol=0)
+  for i, (line, seq) in enumerate(zip(lines, expected)):
+    one = result.logprob_fields(i, len(seq))
+    np.testing.assert_allclose(line['logprobs'], one['logprobs'], atol=1e-5, rtol=0)
     assert all(v < 0 for v in line['logprobs'])
+    assert [[t for t, _ in step] for step in line['top_logprobs']] == [
+        [t for t, _ in step] for step in one['top_logprobs']]
+    np.testing.assert_allclose([[v for _, v in step] for step in line['top_logprobs']],
+                               [[v for _, v in step] for step in one['top_logprobs']],
+                               atol=1e-5, rtol=0)
   assert report['pipeline_stages'] == 3
   assert [report[f'stage{q}']['holds'] for q in range(3)] == [
       'embed + layers 0-0', 'layers 1-2', 'layers 3-3 + head']
@@ -315,7 +321,8 @@ def test_a_job_through_two_stages_writes_the_one_process_jobs_bytes_and_resumes(
   uninterrupted one-process job's, byte for byte."""
   rng = np.random.default_rng(5)
   rows = [{'id': f'r{i}', 'tokens': [2] + rng.integers(4, 900, int(n) - 1).tolist(),
-           'max_new_tokens': int(m), **({'logprobs': True} if i % 4 == 0 else {})}
+           'max_new_tokens': int(m), **({'logprobs': True} if i % 4 == 0 else {}),
+           **({'top_logprobs': 2} if i % 5 == 0 else {})}
           for i, (n, m) in enumerate(zip(rng.choice([3, 6, 11, 20], 30),
                                          rng.choice([1, 3, 5], 30)))]
   lines = [json.dumps(r) for r in rows] + ['{"id": "broken"']
