@@ -56,7 +56,8 @@ class GenerationConfig:
       raise FlexjaxError(f'top_p={self.top_p} must be in (0, 1]')
     if self.seed < 0:
       raise FlexjaxError(f'seed={self.seed} must be >= 0')
-    if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+    if (not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool)
+        or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
       raise FlexjaxError(f'top_logprobs={self.top_logprobs} must be an integer in '
                          f'[0, {MAX_TOP_LOGPROBS}] (0: none)')
 
