@@ -56,7 +56,7 @@ def next_token(logits: jax.Array, keys: jax.Array, *, temperature: float, top_p:
 class Logprobs:
   """Which log-probabilities the head step computes (a static argument of its program)."""
 
-  chosen: bool = False  # each chosen token's
+  chosen: bool = False  # each chosen token's (given too wherever `top` is)
   top: int = 0  # the `top` most likely tokens' at each step, with their ids
 
   def __bool__(self) -> bool:
@@ -64,7 +64,7 @@ class Logprobs:
 
   def host_bytes(self, steps: int) -> int:
     """Bytes a row keeps of them over `steps` tokens."""
-    return steps * (4 * self.chosen + 8 * self.top)
+    return steps * (4 + 8 * self.top) if self else 0
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, top: int = 0):

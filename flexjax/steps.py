@@ -413,9 +413,8 @@ def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, tempera
     logprobs: which log-probabilities to give too (sampler.token_logprobs: the model's
       distribution, before temperature and top-p).
   Returns:
-    (logits [b, vocab] float32, tokens [b] int32, None where neither is asked, else (the
-    tokens' [b] float32 or None, the most likely (ids [b, k] int32, values [b, k] float32) or
-    None)).
+    (logits [b, vocab] float32, tokens [b] int32, None where none are asked, else (the tokens'
+    [b] float32, the most likely (ids [b, k] int32, values [b, k] float32) or None)).
   """
   logits = layers(cfg).head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
   keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(c[0]), c[1]))(counters)
@@ -423,8 +422,7 @@ def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, tempera
   if not logprobs:
     return logits, tokens, None
   chosen, ids, values = token_logprobs(logits, tokens, logprobs.top)
-  return logits, tokens, (chosen if logprobs.chosen else None,
-                          (ids, values) if logprobs.top else None)
+  return logits, tokens, (chosen, (ids, values) if logprobs.top else None)
 
 
 def prefill_layer(params, x, caches, mask, *, cfg: ModelConfig, compute_dtype, cache_dtype,
