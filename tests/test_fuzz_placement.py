@@ -97,6 +97,29 @@ def test_the_job_draws_cover_every_kind_of_job():
   assert any(len(r) < len(c.rows) or any(not x['tokens'] or len(x['tokens']) > 128 for x in r)
              for c, r in zip(cases, rows))  # a bad row
   assert any(x.get('temperature') for r in rows for x in r)
+  assert any(x.get('logprobs') for r in rows for x in r)
+  assert any(x.get('top_logprobs') for r in rows for x in r)
+
+
+def test_job_lines_differ_by_their_log_probabilities_only_beyond_the_tolerance():
+  case = fuzz_placement.draw_job_case(86)  # float32, no quantized cache
+  assert case.compute_dtype == 'float32' and not case.approx.get('compress_cache')
+  line = {'id': 'a', 'output_tokens': [5, 6], 'logprobs': [-6.5, -7.25],
+          'top_logprobs': [[[5, -6.5], [9, -6.75]], [[6, -7.25], [3, -7.5]]]}
+
+  def changed(**fields):
+    return [dict(line, **fields)]
+
+  assert fuzz_placement.differing_lines([line], [dict(line)], case) == []
+  near = changed(logprobs=[-6.5 + 1e-6, -7.25],
+                 top_logprobs=[[[5, -6.5], [3, -6.75 - 1e-6]], [[6, -7.25], [3, -7.5]]])
+  assert fuzz_placement.differing_lines([line], near, case) == []  # (a tie's ids may swap)
+  for far in (changed(logprobs=[-6.5, -7.2]), changed(output_tokens=[5, 7]),
+              changed(top_logprobs=[[[5, -6.5], [9, -6.7]], [[6, -7.25], [3, -7.5]]])):
+    assert fuzz_placement.differing_lines([line], far, case) == ['a']
+  without = dict(line)
+  del without['logprobs']
+  assert fuzz_placement.differing_lines([line], [without], case) == ['a']
 
 
 def test_a_jobs_outputs_tell_other_weights_apart(tmp_path):

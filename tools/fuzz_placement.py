@@ -154,6 +154,7 @@ def draw_job_case(seed: int) -> Case:
   """draw_case(seed)'s model, policy, approximations and dtypes, with a batch job's rows."""
   case = draw_case(seed)
   rng = random.Random(f'job-{seed}')
+  asks = random.Random(f'job-logprobs-{seed}')  # (a stream of its own: the rest as before)
   vocab = case.model['vocab_size']
   sampled = rng.random() < 0.4
   rows = []
@@ -166,6 +167,11 @@ def draw_job_case(seed: int) -> Case:
       row.update(temperature=0.8, top_p=rng.choice([1.0, 0.9]))
     if rng.random() < 0.3:
       row['seed'] = rng.randint(0, 9)
+    ask = asks.random()
+    if ask < 0.25:
+      row['logprobs'] = True
+    elif ask < 0.4:
+      row['top_logprobs'] = asks.randint(1, 3)
     rows.append(json.dumps(row))
   if rng.random() < 0.3:  # a bad row: written with its error, the job goes on
     bad = rng.choice(['{"id": "broken"', json.dumps({'id': 'empty', 'tokens': []}),
@@ -276,10 +282,40 @@ def run_job_case(case: Case) -> dict[str, Any]:
     reference = run_job(case, shape, folder, 'reference')
     result = run_job(case, case.policy, folder, 'result')
     left = sorted(p.name for p in (folder / 'off').iterdir())
-  differ = [ref.get('id') for ref, out in zip(reference, result) if ref != out]
+  differ = differing_lines(reference, result, case)
   same = not differ and len(reference) == len(result) == len(case.rows)
   return {**dataclasses.asdict(case), 'same_outputs': same, 'differing_rows': differ,
           'left_in_offload_dir': left, 'ok': same and not left}
+
+
+def differing_lines(reference: list[dict], result: list[dict], case: Case) -> list:
+  """The ids of the job's output lines that differ: in anything but their log-probabilities,
+  or in those by more than the dtype's tolerance (`compare`'s, relative to the largest of the
+  line's, doubled: a log-probability is a logit less the log of a sum). The top tokens'
+  values are compared in their order, which ties do not change, and not their ids."""
+  relative = TOLERANCE[case.compute_dtype]
+  if case.approx.get('compress_cache'):
+    relative = max(relative, QUANTIZED_CACHE_TOLERANCE)
+  differ = []
+  for ref, out in zip(reference, result):
+    ref, out = dict(ref), dict(out)
+    values = [[_top_values(line.pop('top_logprobs', None)), line.pop('logprobs', None)]
+              for line in (ref, out)]
+    (ref_top, ref_lp), (out_top, out_lp) = values
+    same = ref == out and (ref_lp is None) == (out_lp is None) and (
+        (ref_top is None) == (out_top is None))
+    for a, b in ((ref_lp, out_lp), (ref_top, out_top)):
+      if same and a is not None:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        tolerance = 2 * relative * max(1.0, float(np.abs(a).max(initial=0)))
+        same = a.shape == b.shape and bool(np.all(np.abs(a - b) <= tolerance))
+    if not same:
+      differ.append(ref.get('id'))
+  return differ
+
+
+def _top_values(top: list | None) -> list | None:
+  return None if top is None else [[value for _, value in step] for step in top]
 
 
 def command_line(case: Case, policy: dict[str, Any]) -> list[str]:
@@ -335,7 +371,11 @@ def run_pipeline_case(case: Case) -> dict[str, Any]:
     left = sorted(str(p.relative_to(folder / 'off')) for p in (folder / 'off').rglob('*'))
     report = (json.loads((folder / 'report.json').read_text())
               if (folder / 'report.json').exists() else {})
-  same = proc.returncode == 0 and result == expected
+  if case.rows and result is not None:  # output lines: log-probabilities within tolerance
+    same = (proc.returncode == 0 and len(result) == len(expected)
+            and not differing_lines(expected, result, case))
+  else:
+    same = proc.returncode == 0 and result == expected
   peaks = [[report[f'stage{q}'].get(f'{kind}_ram_peak_bytes') for kind in ('planned', 'measured')]
            for q in range(case.stages) if f'stage{q}' in report]
   # a job of bad rows only runs no stage: nothing to measure
