@@ -272,6 +272,18 @@ def _shape(longest: int, most: int, bucket: bool, max_positions: int) -> tuple[i
   return pad_to, gen_len
 
 
+def heaviest_head(rows: Sequence[Row], generation: GenerationConfig) -> GenerationConfig:
+  """`generation` with the head step of the rows' blocks that needs the most memory, which the
+  job's plan counts: sampling where a row samples (with the lowest top-p of those that do),
+  log-probabilities where a row asks (the most top tokens any asks for)."""
+  sampled = [row for row in rows if row.temperature > 0]
+  return dataclasses.replace(
+      generation, temperature=sampled[0].temperature if sampled else 0.0,
+      top_p=min((row.top_p for row in sampled), default=1.0),
+      logprobs=any(row.logprobs for row in rows),
+      top_logprobs=max((row.top_logprobs for row in rows), default=0))
+
+
 def largest_shape(rows: Sequence[Row], *, bucket: bool,
                   max_positions: int) -> tuple[int, int]:
   """A prompt length and output length no block of these rows exceeds (for the plan)."""
@@ -639,10 +651,10 @@ class Place(Protocol):
     """The output owner's `value`, on every stage."""
 
   def plan(self, policy: Policy | None, *, final: bool, prompt_len: int, gen_len: int,
-           num_sequences: int) -> tuple[Policy, dict]:
+           num_sequences: int, generation: GenerationConfig) -> tuple[Policy, dict]:
     """The policy to run (final: `policy` as resumed; else chosen, keeping its block shape and
     approximations where given) and the report's head; a plan that does not fit is raised
-    unless a dry run."""
+    unless a dry run. generation: whose head step the plan counts (heaviest_head)."""
 
   def policies(self, policy: Policy) -> list[Policy]:
     """Every stage's policy, as the progress file records them."""
@@ -682,7 +694,7 @@ class _Alone:
   def from_owner(self, value):
     return value
 
-  def plan(self, policy, *, final, prompt_len, gen_len, num_sequences):
+  def plan(self, policy, *, final, prompt_len, gen_len, num_sequences, generation):
     from flexjax import run as run_lib
     rc, st = self.rc, self.st
     prediction = None
@@ -691,7 +703,7 @@ class _Alone:
                                                  prompt_len, gen_len=gen_len,
                                                  num_sequences=num_sequences, kept=policy)
     head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
-                                        gen_len=gen_len)
+                                        gen_len=gen_len, generation=generation)
     if problem is not None and not rc.dry_run:
       raise problem
     return policy, head
@@ -759,7 +771,8 @@ def _run_job(place: Place, rows: list[Row], bad: list[BadRow],
   if rows:
     prompt_len, gen_len = largest_shape(rows, bucket=rc.bucket, max_positions=cfg.max_positions)
     policy, head = place.plan(policy, final=final, prompt_len=prompt_len, gen_len=gen_len,
-                                 num_sequences=len(rows))
+                              num_sequences=len(rows),
+                              generation=heaviest_head(rows, rc.generation))
     blocks = plan_blocks(rows, policy.block_size, bucket=rc.bucket,
                          max_positions=cfg.max_positions)
   policy = policy or rc.policy  # a job of bad rows only: nothing runs

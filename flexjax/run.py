@@ -386,13 +386,16 @@ def setup(rc: RunConfig, wrap=None) -> Setup:
 
 
 def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_len: int,
-                gen_len: int) -> tuple[dict[str, Any], FlexjaxError | None]:
+                gen_len: int, generation: GenerationConfig | None = None
+                ) -> tuple[dict[str, Any], FlexjaxError | None]:
   """The report's head for a policy's execution plan at the run's largest shapes (with
   --dry_run, whether it fits) and why that plan does not fit its budgets (None if it does). A
-  caller that runs refuses on the latter before any weight is read."""
+  caller that runs refuses on the latter before any weight is read. generation: whose head
+  step the plan counts (default the run's; a job's heaviest, job.heaviest_head)."""
+  gen = generation or rc.generation
   plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
-                             temperature=rc.generation.temperature, top_p=rc.generation.top_p,
-                             logprobs=rc.generation.asked_logprobs)
+                             temperature=gen.temperature, top_p=gen.top_p,
+                             logprobs=gen.asked_logprobs)
   head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': st.profile.name if st.profile else None,
           **_prediction_fields(prediction),

@@ -194,10 +194,11 @@ def _start(rc, num_processes: int, process_id: int, processes_per_host: int) -> 
 
 
 def _plan(stage: _Stage, *, prompt_len: int, gen_len: int, num_sequences: int | None,
-          policy: Policy | None = None, final: bool = False):
+          policy: Policy | None = None, final: bool = False, generation=None):
   """This stage's policy (final: a resumed job's own; else chosen, keeping `policy`'s block
   shape and approximations where given) and prediction, its report head, and every stage's
-  policy row; unless a dry run, every stage fits or none goes on."""
+  policy row; unless a dry run, every stage fits or none goes on. generation: see
+  run.plan_report."""
   from flexjax import run as run_lib
   rc, st, p = stage.rc, stage.st, stage.process_id
   prediction = None
@@ -205,7 +206,7 @@ def _plan(stage: _Stage, *, prompt_len: int, gen_len: int, num_sequences: int | 
     policy, prediction = choose_policy(rc, st, stage.link, p, prompt_len=prompt_len,
                                        gen_len=gen_len, num_sequences=num_sequences, kept=policy)
   head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
-                                      gen_len=gen_len)
+                                      gen_len=gen_len, generation=generation)
   mine = {'policy': dataclasses.asdict(policy),
           'prefill_s': prediction.prefill_s if prediction else None,
           'decode_s': prediction.decode_s if prediction else None}
@@ -313,10 +314,10 @@ class _JobStage:
   def from_owner(self, value):
     return self.of.link.everyone(value, self.stage)[0]
 
-  def plan(self, policy, *, final, prompt_len, gen_len, num_sequences):
+  def plan(self, policy, *, final, prompt_len, gen_len, num_sequences, generation):
     policy, head, self.problem, self.plans = _plan(
         self.of, prompt_len=prompt_len, gen_len=gen_len, num_sequences=num_sequences,
-        policy=policy, final=final)
+        policy=policy, final=final, generation=generation)
     self.gen_len = gen_len
     return policy, head
 

@@ -166,3 +166,30 @@ def test_job_rows_ask_for_log_probabilities_one_by_one(pre_ln, tmp_path):
   assert cut['finish_reason'] == 'stop'
   n = len(cut['output_tokens'])
   assert n < 8 and cut['logprobs'] == got['lp']['logprobs'][:n]
+
+
+def test_a_jobs_plan_counts_the_heaviest_head_its_rows_run(pre_ln, tmp_path):
+  """A job is planned for its rows' heaviest head step (sampling with top-p, the top tokens'
+  log-probabilities), not the flags' greedy one: with a device budget between the two plans
+  the job is refused in one line before any row is written (planned for the greedy head it
+  wrote the greedy rows' block, then stopped at the sampled row's)."""
+  greedy = [{'id': f'g{i}', 'tokens': [2, 10 + i, 20], 'max_new_tokens': 3} for i in range(4)]
+  heavy = greedy[:3] + [{'id': 'h', 'tokens': [2, 11, 20], 'max_new_tokens': 3,
+                         'temperature': 0.8, 'top_p': 0.9, 'top_logprobs': 20}]
+
+  def job(rows, name, **kw):
+    path = tmp_path / f'{name}.jsonl'
+    path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    rc = RunConfig(model=None, weights='checkpoint', checkpoint=str(pre_ln.ckpt_dir),
+                   input=str(path), output=str(tmp_path / f'{name}-out.jsonl'),
+                   policy=Policy(gpu_batch_size=4), progress=False, **kw)
+    return run(rc)
+
+  light_peak = job(greedy, 'light', dry_run=True)['planned_device_peak_bytes']
+  heavy_peak = job(heavy, 'heavy', dry_run=True)['planned_device_peak_bytes']
+  assert heavy_peak > light_peak
+  budgets = {'device': (light_peak + heavy_peak) // 2, 'host': None, 'disk': None}
+  assert job(greedy, 'light', budgets=budgets)['rows_generated'] == 4
+  with pytest.raises(FlexjaxError, match='on the device tier but --gpu_mem allows'):
+    job(heavy, 'heavy', budgets=budgets)
+  assert not (tmp_path / 'heavy-out.jsonl').exists()
