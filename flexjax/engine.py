@@ -66,6 +66,11 @@ class GenerationConfig:
     """The log-probabilities the head step computes."""
     return Logprobs(chosen=self.logprobs or self.top_logprobs > 0, top=self.top_logprobs)
 
+  @property
+  def head_args(self) -> dict:
+    """What the head step's program depends on: the planner's keywords for it."""
+    return dict(temperature=self.temperature, top_p=self.top_p, logprobs=self.asked_logprobs)
+
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -261,8 +266,7 @@ class Engine:
     """The execution plan of a generate() call with prompts padded to prompt_len."""
     return self.planner.run_plan(policy or self.policy, self.budgets, prompt_len=prompt_len,
                                  gen_len=gen.gen_len, return_logits=return_logits,
-                                 temperature=gen.temperature, top_p=gen.top_p,
-                                 logprobs=gen.asked_logprobs)
+                                 **gen.head_args)
 
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
@@ -342,8 +346,7 @@ class Engine:
     # The warm-up: every function the run calls is compiled at its real shapes (mostly the
     # plan's own compiles); jax's jit reuses those executables, and no step runs before timing.
     self.planner.compile_run(policy, prompt_len=prompt_len, gen_len=gen.gen_len,
-                             temperature=gen.temperature, top_p=gen.top_p,
-                             logprobs=gen.asked_logprobs)
+                             **gen.head_args)
     self.stats = _new_stats(self.config)
     for account in self.storage.accounts.values():
       account.peak = account.current

@@ -701,7 +701,8 @@ class _Alone:
     if not final:
       policy, prediction = run_lib.choose_policy(rc, st.cfg, st.planner, st.budgets, st.profile,
                                                  prompt_len, gen_len=gen_len,
-                                                 num_sequences=num_sequences, kept=policy)
+                                                 num_sequences=num_sequences, kept=policy,
+                                                 generation=generation)
     head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                         gen_len=gen_len, generation=generation)
     if problem is not None and not rc.dry_run:

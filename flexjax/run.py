@@ -250,17 +250,20 @@ def detected_budgets(rc: RunConfig, device) -> dict[str, int | None]:
 
 def choose_policy(rc: RunConfig, cfg, planner: plan_lib.Planner, budgets, profile,
                   prompt_len: int, gen_len: int | None = None,
-                  num_sequences: int | None = None, kept: Policy | None = None):
+                  num_sequences: int | None = None, kept: Policy | None = None,
+                  generation: GenerationConfig | None = None):
   """The policy to run and its prediction: searched (--policy=auto; for `num_sequences`
   sequences where the run knows how many, see search.search) or hand-given. kept: a resumed
   job's block shape and approximations (job.resumed_policy), the template then (a search keeps
-  its block shape)."""
+  its block shape). generation: whose head step the search's plans count (default the
+  run's)."""
   gen_len = gen_len or rc.generation.gen_len
   template = kept or rc.policy
   if rc.policy_mode == 'auto':
     found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
                           sizes=planner.sizes, planner=planner, template=template,
                           max_block_seconds=rc.max_block_seconds, num_sequences=num_sequences,
+                          head=(generation or rc.generation).head_args,
                           **search.shape_choices(kept, rc.max_block_size))
     return found.policy, found.prediction
   if profile is None:
@@ -392,10 +395,8 @@ def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_
   --dry_run, whether it fits) and why that plan does not fit its budgets (None if it does). A
   caller that runs refuses on the latter before any weight is read. generation: whose head
   step the plan counts (default the run's; a job's heaviest, job.heaviest_head)."""
-  gen = generation or rc.generation
   plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
-                             temperature=gen.temperature, top_p=gen.top_p,
-                             logprobs=gen.asked_logprobs)
+                             **(generation or rc.generation).head_args)
   head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': st.profile.name if st.profile else None,
           **_prediction_fields(prediction),

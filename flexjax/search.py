@@ -116,13 +116,14 @@ def to_policy(x: dict[str, float], template: Policy) -> Policy:
 
 
 def _repair(planner: plan_lib.Planner, policy: Policy, budgets, prompt_len, gen_len,
-            fixed: Iterable[str] = (), steps: int = 60, estimate: bool = True):
+            fixed: Iterable[str] = (), steps: int = 60, estimate: bool = True,
+            head: dict[str, Any] | None = None):
   """Moves data down the tiers until the plan fits (the LP is a relaxation), never changing
-  the percents named in `fixed`."""
+  the percents named in `fixed`; the plans count the head step of `head` (search's)."""
   fixed = set(fixed)
   for _ in range(steps):
-    plan = planner.plan(policy, prompt_len=prompt_len, gen_len=gen_len,
-                        estimate=estimate).peaks()
+    plan = planner.plan(policy, prompt_len=prompt_len, gen_len=gen_len, estimate=estimate,
+                        **(head or {})).peaks()
     over = [t for t in ('ram',) + plan_lib.TIERS
             if budgets.get(t) is not None and plan.get(t, 0) > budgets[t]]
     if not over:
@@ -185,8 +186,12 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
            cpu_attention: Iterable[bool] = (False, True),
            max_block_seconds: float | None = None,
            fixed_percents: Iterable[str] = (),
-           num_sequences: int | None = None) -> SearchResult:
+           num_sequences: int | None = None,
+           head: dict[str, Any] | None = None) -> SearchResult:
   """The policy with the highest predicted throughput that fits the budgets.
+
+  head: the planner's keywords for the run's head step (GenerationConfig.head_args: sampling
+  and log-probabilities); every plan the search checks counts that step (default: greedy).
 
   num_sequences: how many sequences the run has, where known (a job's rows, a prompt file's
   prompts). Blocks are then ranked by the throughput of those sequences' tokens (the padding
@@ -231,19 +236,20 @@ def search(cfg: ModelConfig, hw: HardwareProfile, budgets: dict[str, int | None]
     found, tries = _screen(cfg, hw, budgets, sizes=sizes, planner=planner, template=template,
                            prompt_len=prompt_len, gen_len=gen_len, fixed=fixed,
                            fixed_percents=fixed_percents, cpu_attention=values,
-                           max_block_seconds=max_block_seconds, **grid)
+                           max_block_seconds=max_block_seconds, head=head or {}, **grid)
     tried += tries
     best = _check(cfg, hw, budgets, sizes, planner, found, prompt_len=prompt_len,
-                  gen_len=gen_len, fixed_percents=fixed_percents, num_sequences=num_sequences)
+                  gen_len=gen_len, fixed_percents=fixed_percents, num_sequences=num_sequences,
+                  head=head or {})
     if best is not None:
       planner.release_compiled()
       return dataclasses.replace(best, candidates=tried, seconds=time.perf_counter() - start)
-  raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len))
+  raise FlexjaxError(_shortfall(planner, template, budgets, prompt_len, gen_len, head or {}))
 
 
 def _screen(cfg, hw, budgets, *, sizes, planner, template, prompt_len, gen_len, fixed,
             fixed_percents, gpu_batch_sizes, num_gpu_batches, max_block_size, cpu_attention,
-            max_block_seconds) -> tuple[list[SearchResult], int]:
+            max_block_seconds, head) -> tuple[list[SearchResult], int]:
   """Every batch geometry's LP, rounded and repaired against the plan with XLA's bytes
   estimated: the candidates that fit, and how many geometries were tried."""
   found: list[SearchResult] = []
@@ -262,7 +268,7 @@ def _screen(cfg, hw, budgets, *, sizes, planner, template, prompt_len, gen_len, 
         if x is None:
           continue
         policy, plan = _repair(planner, to_policy(x, candidate), budgets, prompt_len,
-                               gen_len, fixed=fixed_percents)
+                               gen_len, fixed=fixed_percents, head=head)
         if policy is None:
           continue
         prediction = model.predict(cost_model.fractions(policy, cfg))
@@ -288,7 +294,7 @@ def useful_throughput(result: SearchResult, num_sequences: int | None) -> float:
 
 
 def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len,
-           fixed_percents, num_sequences) -> SearchResult | None:
+           fixed_percents, num_sequences, head) -> SearchResult | None:
   """The best screened candidate whose real plan (steps compiled at their shapes) fits. That
   plan may move data further down than the estimate did; a candidate it slows below the tie is
   kept aside while the next is checked."""
@@ -299,7 +305,7 @@ def _check(cfg, hw, budgets, sizes, planner, found, *, prompt_len, gen_len,
   top = max(map(rate, found), default=0.0)
   for best in _ranked(found, rate)[:MAX_CHECKED]:
     policy, plan = _repair(planner, best.policy, budgets, prompt_len, gen_len,
-                           fixed=fixed_percents, estimate=False)
+                           fixed=fixed_percents, estimate=False, head=head)
     if policy is not None:
       prediction = cost_model.predict(cfg, policy, hw, sizes, prompt_len=prompt_len,
                                       gen_len=gen_len, planner=planner)
@@ -329,13 +335,14 @@ def _ranked(found: list[SearchResult],
   return near + sorted(rest, key=lambda r: -rate(r))
 
 
-def _shortfall(planner, template, budgets, prompt_len, gen_len) -> str:
+def _shortfall(planner, template, budgets, prompt_len, gen_len, head) -> str:
   """Which tier is short, and by how much, for the most economical policy (one sequence,
   everything that can leave the device on disk)."""
   smallest = dataclasses.replace(template, gpu_batch_size=1, num_gpu_batches=1, w_gpu_percent=0,
                                  w_cpu_percent=0, cache_gpu_percent=0, cache_cpu_percent=0,
                                  act_gpu_percent=0, act_cpu_percent=0, cpu_attention=True)
-  plan = planner.plan(smallest, prompt_len=prompt_len, gen_len=gen_len, estimate=True).peaks()
+  plan = planner.plan(smallest, prompt_len=prompt_len, gen_len=gen_len, estimate=True,
+                      **head).peaks()
   for tier in ('ram',) + plan_lib.TIERS:
     if budgets.get(tier) is not None and plan.get(tier, 0) > budgets[tier]:
       flag = dict(device='gpu', host='cpu', ram='cpu', disk='disk')[tier]

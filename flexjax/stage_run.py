@@ -83,10 +83,11 @@ def agree(link: Link, process_id: int, error: FlexjaxError | None, what: str) ->
 
 
 def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_len: int,
-                  num_sequences: int | None = None, kept: Policy | None = None):
+                  num_sequences: int | None = None, kept: Policy | None = None,
+                  generation=None):
   """This stage's policy and prediction (for `num_sequences` sequences where the run knows
-  how many: see search.search; `kept`: a resumed job's block shape and approximations, see
-  run.choose_policy).
+  how many: see search.search; `kept`: a resumed job's block shape and approximations, and
+  `generation`, see run.choose_policy).
 
   Given by flags: the flags' (the same block shape everywhere). --policy=auto: every stage
   searches the best policy for its own layers within its own budgets; as micro-batches stream
@@ -98,7 +99,8 @@ def choose_policy(rc, st, link: Link, process_id: int, *, prompt_len: int, gen_l
 
   def chosen_for(kept: Policy | None):  # a search keeps kept's block shape where given
     return run_lib.choose_policy(rc, st.cfg, st.planner, st.budgets, st.profile, prompt_len,
-                                 gen_len, num_sequences=num_sequences, kept=kept)
+                                 gen_len, num_sequences=num_sequences, kept=kept,
+                                 generation=generation)
 
   if rc.policy_mode != 'auto':
     return chosen_for(kept)
@@ -204,7 +206,8 @@ def _plan(stage: _Stage, *, prompt_len: int, gen_len: int, num_sequences: int | 
   prediction = None
   if not final:
     policy, prediction = choose_policy(rc, st, stage.link, p, prompt_len=prompt_len,
-                                       gen_len=gen_len, num_sequences=num_sequences, kept=policy)
+                                       gen_len=gen_len, num_sequences=num_sequences, kept=policy,
+                                       generation=generation)
   head, problem = run_lib.plan_report(rc, st, policy, prediction, prompt_len=prompt_len,
                                       gen_len=gen_len, generation=generation)
   mine = {'policy': dataclasses.asdict(policy),

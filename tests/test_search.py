@@ -353,3 +353,19 @@ def test_estimated_step_bytes_follow_the_compiled_ones_past_the_cast(batch, prom
   compiled = planner.xla(policy, prompt_len=prompt_len, gen_len=4)['prefill_step']
   estimated = planner.xla(policy, prompt_len=prompt_len, gen_len=4, estimate=True)
   assert 0.95 * compiled <= estimated['prefill_step'] <= 1.25 * compiled
+
+
+def test_a_searched_policy_fits_the_plan_of_the_runs_own_head_step():
+  """The search plans every candidate with the run's head step (sampling with top-p sorts the
+  vocabulary; the top log-probabilities): at a device budget where a policy searched with
+  the greedy head leaves no room for it, the run's plan of the searched policy fits."""
+  from pathlib import Path
+  from flexjax.run import RunConfig, run
+  profile = str(Path(__file__).resolve().parents[1] / 'configs' / 'hw' / 'cpu-2core.json')
+  for extra in (dict(temperature=0.8, top_p=0.9), dict(top_logprobs=20)):
+    report = run(RunConfig(model='opt-125m', policy_mode='auto', hw_profile=profile,
+                           budgets={'device': int(0.35 * GIB), 'host': 4 * GIB, 'disk': None},
+                           prompt_len=64, generation=GenerationConfig(gen_len=8, **extra),
+                           dry_run=True, progress=False))
+    assert report['fits'] is True, (extra, report)
+    assert report['planned_device_peak_bytes'] <= int(0.35 * GIB)
