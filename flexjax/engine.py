@@ -66,10 +66,14 @@ class GenerationConfig:
     """The log-probabilities the head step computes."""
     return Logprobs(chosen=self.logprobs or self.top_logprobs > 0, top=self.top_logprobs)
 
-  @property
-  def head_args(self) -> dict:
-    """What the head step's program depends on: the planner's keywords for it."""
-    return dict(temperature=self.temperature, top_p=self.top_p, logprobs=self.asked_logprobs)
+  def head_args(self, *, forced: bool = False) -> dict:
+    """What the head step's program depends on: the planner's keywords for it. forced: the
+    run's tokens are given (generate's forced_tokens); the log-probabilities asked are then
+    the given tokens' (Logprobs.given)."""
+    logprobs = self.asked_logprobs
+    if forced and logprobs:
+      logprobs = dataclasses.replace(logprobs, given=True)
+    return dict(temperature=self.temperature, top_p=self.top_p, logprobs=logprobs)
 
 
 @dataclasses.dataclass
@@ -262,11 +266,12 @@ class Engine:
       self.layout.close()
 
   def plan(self, prompt_len: int, gen: 'GenerationConfig', *, policy: Policy | None = None,
-           return_logits: bool = False) -> plan_lib.ExecutionPlan:
-    """The execution plan of a generate() call with prompts padded to prompt_len."""
+           return_logits: bool = False, forced: bool = False) -> plan_lib.ExecutionPlan:
+    """The execution plan of a generate() call with prompts padded to prompt_len (forced: with
+    forced_tokens)."""
     return self.planner.run_plan(policy or self.policy, self.budgets, prompt_len=prompt_len,
                                  gen_len=gen.gen_len, return_logits=return_logits,
-                                 **gen.head_args)
+                                 **gen.head_args(forced=forced))
 
   # ---- generation -------------------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig, *,
@@ -286,8 +291,10 @@ class Engine:
         (default: the engine's); its weight percentages must equal the engine's, which placed
         the weights at construction.
       forced_tokens: [num_prompts, gen_len] ids to emit instead of sampling (teacher forcing:
-        the logits then score a given continuation through the decode path, KV cache
-        compression and sparse attention included).
+        a given continuation is scored through the decode path, KV cache compression and
+        sparse attention included). With gen.logprobs the result's token_logprobs are the
+        forced tokens' (and top_logprobs the model's most likely at each step), computed in
+        the head step: no logits need be returned.
       seeds: each prompt's sampling seed (default: derived from gen.seed and its index). A row's
         samples depend on its seed alone, not on the rows batched with it.
       limits: each prompt's new-token limit, at most gen.gen_len (default: gen.gen_len); a row
@@ -318,9 +325,6 @@ class Engine:
       raise FlexjaxError(f'limits must lie in [1, gen_len={gen.gen_len}]; got '
                          f'[{limits.min()}, {limits.max()}]')
     self._check_length(prompt_len + gen.gen_len - 1)
-    if forced_tokens is not None and gen.asked_logprobs:
-      raise FlexjaxError('logprobs are those of sampled tokens; with forced_tokens ask for '
-                         'return_logits and read the forced tokens\' scores from the logits')
     if gen.top_logprobs > self.config.vocab_size:
       raise FlexjaxError(f'top_logprobs={gen.top_logprobs} exceeds the '
                          f'{self.config.vocab_size} tokens of {self.config.name}\'s vocabulary')
@@ -331,7 +335,9 @@ class Engine:
       if forced_tokens.shape != (len(prompts), gen.gen_len):
         raise FlexjaxError(f'forced_tokens has shape {forced_tokens.shape}; expected '
                            f'({len(prompts)}, gen_len={gen.gen_len})')
-    plan = self.plan(prompt_len, gen, policy=policy, return_logits=return_logits)
+    head = gen.head_args(forced=forced_tokens is not None)
+    plan = self.plan(prompt_len, gen, policy=policy, return_logits=return_logits,
+                     forced=forced_tokens is not None)
     plan.check(self.budgets)  # before anything of the run is allocated
     self.storage.use_capacities(_capacities(plan))
     n, block = len(prompts), policy.block_size
@@ -345,8 +351,7 @@ class Engine:
           (padded_n - n, gen.gen_len), self.config.pad_token_id, np.int32)])
     # The warm-up: every function the run calls is compiled at its real shapes (mostly the
     # plan's own compiles); jax's jit reuses those executables, and no step runs before timing.
-    self.planner.compile_run(policy, prompt_len=prompt_len, gen_len=gen.gen_len,
-                             **gen.head_args)
+    self.planner.compile_run(policy, prompt_len=prompt_len, gen_len=gen.gen_len, **head)
     self.stats = _new_stats(self.config)
     for account in self.storage.accounts.values():
       account.peak = account.current
@@ -359,7 +364,7 @@ class Engine:
                             max_steps=gen.gen_len, return_logits=return_logits,
                             read_ahead=plan.shape.read_ahead,
                             forced=None if forced_tokens is None else forced_tokens[rows],
-                            clock=clock)
+                            head=head, clock=clock)
       outs.append(res['tokens'])
       logits.append(res['logits'])
       if res['logprobs'] is not None:
@@ -393,7 +398,8 @@ class Engine:
     return policy
 
   def _run_block(self, policy: Policy, tokens, mask, real_rows, gen, *, seeds, limits,
-                 max_steps, return_logits, forced, clock: Clock, read_ahead: bool) -> dict:
+                 max_steps, return_logits, forced, head: dict, clock: Clock,
+                 read_ahead: bool) -> dict:
     """Runs one block through the schedule. Returns its tokens, logits, timings."""
     mover = Mover(self.storage, self.steps, self._stages, policy, reader=self.reader,
                   row_reader=self.row_reader,
@@ -402,10 +408,11 @@ class Engine:
                   device_is_host=self.planner.device_is_host,
                   prompt_ids=policy.gpu_batch_size * tokens.shape[1],
                   host_in_place=self._host_in_place)
-    executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu)
+    executor = Executor(self.config, policy, self.steps, mover, device=self.device, cpu=self.cpu,
+                        head=head)
     batches = new_batches(self.config, policy, self.storage, self.steps, tokens=tokens,
                           mask=mask, real_rows=real_rows, gen_len=gen.gen_len,
-                          return_logits=return_logits, logprobs=gen.asked_logprobs, forced=forced,
+                          return_logits=return_logits, logprobs=head['logprobs'], forced=forced,
                           seeds=seeds, limits=limits)
     mover.start()
     try:

@@ -295,11 +295,15 @@ class FlexjaxLM(TemplateLM):
       forced = np.full((len(call), gen_len), self.config.pad_token_id, np.int32)
       for row, continuation in enumerate(continuations):
         forced[row, :len(continuation)] = continuation
+      # the head step scores the forced tokens (and gives its own most likely one): no
+      # [rows, gen_len, vocab] logits leave the device
       result = self.engine.generate([rows[i][0] for i in call],
-                                    GenerationConfig(gen_len=gen_len, stop_at_eos=False),
-                                    return_logits=True, forced_tokens=forced)
+                                    GenerationConfig(gen_len=gen_len, stop_at_eos=False,
+                                                     top_logprobs=1), forced_tokens=forced)
       for row, i in enumerate(call):
-        results[i] = _continuation_score(result.logits[row], rows[i][1])
+        n = len(rows[i][1])
+        results[i] = (float(result.token_logprobs[row, :n].astype(np.float64).sum()),
+                      bool((result.top_ids[row, :n, 0] == rows[i][1]).all()))
       bar.update(len(call))
     bar.close()
     return results
@@ -352,17 +356,6 @@ def _calls(rows: Sequence[tuple[list[int], list[int]]], *, block: int,
     prompt_len, gen_len = p, g
   if call:
     yield call
-
-
-def _continuation_score(logits: np.ndarray, continuation: list[int]) -> tuple[float, bool]:
-  """(sum of log-probabilities, every token the argmax) of a continuation from its logits
-  [>= len(continuation), vocab] (float64 log-softmax)."""
-  logits = logits[:len(continuation)].astype(np.float64)
-  shifted = logits - logits.max(-1, keepdims=True)
-  logprobs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-  target = np.asarray(continuation)
-  return (float(logprobs[np.arange(len(target)), target].sum()),
-          bool((logits.argmax(-1) == target).all()))
 
 
 def _cut(text: str, until: Sequence[str]) -> str:

@@ -27,11 +27,6 @@ class Perplexity:
     return math.exp(self.nll_sum / self.tokens)
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-  shifted = logits - logits.max(-1, keepdims=True)
-  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
 def score_continuations(engine: Engine, prompts: Sequence[Sequence[int]],
                         continuations: Sequence[Sequence[int]]):
   """Log-probabilities and greedy hits of each continuation given its prompt.
@@ -42,14 +37,10 @@ def score_continuations(engine: Engine, prompts: Sequence[Sequence[int]],
   forced = np.full((len(prompts), gen_len), engine.config.pad_token_id, np.int32)
   for i, c in enumerate(continuations):
     forced[i, :len(c)] = c
-  result = engine.generate(prompts, GenerationConfig(gen_len=gen_len, stop_at_eos=False),
-                           return_logits=True, forced_tokens=forced)
-  out = []
-  for i, c in enumerate(continuations):
-    logp = _log_softmax(result.logits[i, :len(c)])
-    target = np.asarray(c)
-    out.append((logp[np.arange(len(c)), target], logp.argmax(-1) == target))
-  return out
+  result = engine.generate(prompts, GenerationConfig(gen_len=gen_len, stop_at_eos=False,
+                                                    top_logprobs=1), forced_tokens=forced)
+  return [(result.token_logprobs[i, :len(c)], result.top_ids[i, :len(c), 0] == np.asarray(c))
+          for i, c in enumerate(continuations)]
 
 
 def perplexity(engine: Engine, ids: Sequence[int], *, window: int, context: int) -> Perplexity:

@@ -131,9 +131,10 @@ class Executor:
   """
 
   def __init__(self, cfg: ModelConfig, policy: Policy, steps: Steps, mover: Mover, *, device,
-               cpu):
+               cpu, head: dict):
+    """head: the head step's keywords (temperature, top_p, logprobs), as the plan compiled it."""
     self.cfg, self.policy, self.steps, self.mover = cfg, policy, steps, mover
-    self.device, self.cpu = device, cpu
+    self.device, self.cpu, self.head = device, cpu, head
     self.num_stages = cfg.num_layers + 2
 
   def execute(self, batches: list[Batch], gen, max_steps: int) -> tuple[float, float]:
@@ -234,9 +235,9 @@ class Executor:
     s = batch.tokens.shape[1]
     if stage == self.num_stages - 1:
       counters = np.stack([batch.seeds, np.full_like(batch.seeds, token)], axis=1)
+      given = (self._put(batch.forced[:, token]) if self.head['logprobs'].given else None)
       logits, sample, scores = steps.head_step(params, inputs['hidden'], self._put(counters),
-                                               temperature=gen.temperature, top_p=gen.top_p,
-                                               logprobs=gen.asked_logprobs)
+                                               given, **self.head)
       chosen = np.asarray(sample) if batch.forced is None else batch.forced[:, token]
       batch.out[:, token] = np.where(batch.finished, self.cfg.pad_token_id, chosen)
       if batch.logits is not None:  # a finished row's are zeros, however long its block runs

@@ -263,7 +263,7 @@ def choose_policy(rc: RunConfig, cfg, planner: plan_lib.Planner, budgets, profil
     found = search.search(cfg, profile, budgets, prompt_len=prompt_len, gen_len=gen_len,
                           sizes=planner.sizes, planner=planner, template=template,
                           max_block_seconds=rc.max_block_seconds, num_sequences=num_sequences,
-                          head=(generation or rc.generation).head_args,
+                          head=(generation or rc.generation).head_args(),
                           **search.shape_choices(kept, rc.max_block_size))
     return found.policy, found.prediction
   if profile is None:
@@ -396,7 +396,7 @@ def plan_report(rc: RunConfig, st: Setup, policy: Policy, prediction, *, prompt_
   caller that runs refuses on the latter before any weight is read. generation: whose head
   step the plan counts (default the run's; a job's heaviest, job.heaviest_head)."""
   plan = st.planner.run_plan(policy, st.budgets, prompt_len=prompt_len, gen_len=gen_len,
-                             **(generation or rc.generation).head_args)
+                             **(generation or rc.generation).head_args())
   head = {'model': st.cfg.name, 'policy_mode': rc.policy_mode, 'policy': policy.describe(),
           'hw_profile': st.profile.name if st.profile else None,
           **_prediction_fields(prediction),

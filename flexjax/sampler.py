@@ -58,6 +58,9 @@ class Logprobs:
 
   chosen: bool = False  # each chosen token's (given too wherever `top` is)
   top: int = 0  # the `top` most likely tokens' at each step, with their ids
+  # the chosen tokens are given (teacher forcing), not sampled: the head step takes them as an
+  # input and scores them, which scores a continuation without returning any logits
+  given: bool = False
 
   def __bool__(self) -> bool:
     return self.chosen or self.top > 0

@@ -234,11 +234,11 @@ class Steps:
                       offloaded_mask=offloaded,
                       slot=jax.device_put(np.int32(slot), self.device))
 
-  def head_step(self, params, x, counters, *, temperature: float, top_p: float,
+  def head_step(self, params, x, counters, given=None, *, temperature: float, top_p: float,
                 logprobs: Logprobs = Logprobs(), call=RUN):
     """LM head of the last position and the next token: (logits [b, vocab] f32, tokens [b],
-    log-probabilities or None: see head_sample)."""
-    return call(self.head, params, x, counters, temperature=temperature, top_p=top_p,
+    log-probabilities or None: see head_sample). given: [b] int32 where logprobs.given."""
+    return call(self.head, params, x, counters, given, temperature=temperature, top_p=top_p,
                 logprobs=logprobs)
 
   def prefill_step(self, geom: Geometry, params, x, caches, mask, call=RUN):
@@ -367,7 +367,8 @@ class Steps:
   def _analyse_head(self, params, x, temperature, top_p, logprobs: Logprobs,
                     compiler: _Compile) -> StepMemory:
     counters = _spec((x.shape[0], 2), np.uint32, self.device)
-    return compiler.analyse(self.head, params, x, counters, temperature=temperature,
+    given = _spec((x.shape[0],), np.int32, self.device) if logprobs.given else None
+    return compiler.analyse(self.head, params, x, counters, given, temperature=temperature,
                             top_p=top_p, logprobs=logprobs)
 
   def analyse_load(self, shape: tuple[int, ...], dim: int, compiler: _Compile) -> StepMemory:
@@ -403,13 +404,15 @@ class Steps:
 
 
 # ---- the pure step functions --------------------------------------------------------------------
-def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, temperature: float,
-                top_p: float, logprobs: Logprobs = Logprobs()):
+def head_sample(params, x, counters, given=None, *, cfg: ModelConfig, compute_dtype,
+                temperature: float, top_p: float, logprobs: Logprobs = Logprobs()):
   """LM head of the last position and the next token.
 
   Args:
     x: [b, s, hidden]; counters: uint32 [b, 2] (the row's seed, token) naming each row's
       sampling key.
+    given: [b] int32, the next tokens where logprobs.given (teacher forcing: nothing is
+      sampled, the given tokens are scored), else None.
     logprobs: which log-probabilities to give too (sampler.token_logprobs: the model's
       distribution, before temperature and top-p).
   Returns:
@@ -417,8 +420,11 @@ def head_sample(params, x, counters, *, cfg: ModelConfig, compute_dtype, tempera
     [b] float32, the most likely (ids [b, k] int32, values [b, k] float32) or None)).
   """
   logits = layers(cfg).head(params, x[:, -1:], cfg=cfg, compute_dtype=compute_dtype)[:, 0]
-  keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(c[0]), c[1]))(counters)
-  tokens = next_token(logits, keys, temperature=temperature, top_p=top_p)
+  if logprobs.given:
+    tokens = given
+  else:
+    keys = jax.vmap(lambda c: jax.random.fold_in(jax.random.key(c[0]), c[1]))(counters)
+    tokens = next_token(logits, keys, temperature=temperature, top_p=top_p)
   if not logprobs:
     return logits, tokens, None
   chosen, ids, values = token_logprobs(logits, tokens, logprobs.top)

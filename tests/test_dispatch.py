@@ -145,7 +145,8 @@ SLOW_COMPILED = ('sparse_offloaded',)
 def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
   """generate()'s warm-up (plan.Planner.compile_run: the plan's compiles and the few it lacks)
   leaves nothing for the run to compile; a model of its own shape, so no earlier test compiled
-  these steps (two of them keeping log-probabilities: the tokens', and the top three's)."""
+  these steps (two of them keeping log-probabilities: the tokens', and the top three's of
+  forced tokens, which the head step takes as an input)."""
   cfg = ModelConfig(name=f'compiles-{index}', num_layers=2, hidden_size=48 + 16 * index,
                     num_heads=4, ffn_dim=96, vocab_size=300 + index, max_positions=64)
   prompts = [[2] + list(range(10, 10 + n)) for n in (6, 3, 5, 2, 7, 4, 6, 1)]
@@ -153,11 +154,13 @@ def test_after_the_warm_up_a_run_compiles_nothing(index, name, tmp_path):
   gen = GenerationConfig(gen_len=4, temperature=0.7, top_p=0.9, stop_at_eos=False, **asked)
   with Engine(DummyWeights(cfg, 'float32'), policy=COMPILED_POLICIES[name],
               offload_dir=str(tmp_path)) as engine:
+    forced = (np.arange(len(prompts) * gen.gen_len, dtype=np.int32).reshape(len(prompts), -1)
+              if index == 3 else None)
     engine.planner.compile_run(engine.policy, prompt_len=max(map(len, prompts)),
-                               gen_len=gen.gen_len, temperature=gen.temperature,
-                               top_p=gen.top_p, logprobs=gen.asked_logprobs)  # as generate()
+                               gen_len=gen.gen_len,
+                               **gen.head_args(forced=forced is not None))  # as generate()
     with executables_built() as compiles:
-      engine.generate(prompts, gen)
+      engine.generate(prompts, gen, forced_tokens=forced)
   assert compiles == []
 
 

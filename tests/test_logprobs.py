@@ -108,11 +108,50 @@ def test_a_finished_rows_later_log_probabilities_are_zeros(pre_ln):
   assert (lp[1] < 0).all() and (lp[3] < 0).all()
 
 
-def test_log_probabilities_with_forced_tokens_are_refused(pre_ln):
-  forced = np.full((len(PROMPTS), GEN.gen_len), 5, np.int32)
+FORCED = np.array([[7, 9, 11, 13, 15, 17], [40, 41, 42, 43, 44, 45], [5, 5, 5, 5, 5, 5],
+                   [90, 3, 77, 12, 60, 8]], np.int32)
+
+
+def test_forced_tokens_log_probabilities_are_transformers_scores_of_them(pre_ln):
+  """With forced_tokens the head step scores the given tokens (no logits returned): each is
+  transformers' log softmax of prompt + forced continuation at its position, the top ones are
+  the model's own most likely, and the tokens emitted are the forced ones."""
+  gen = GenerationConfig(gen_len=6, stop_at_eos=False, top_logprobs=2)
   with Engine(Checkpoint(pre_ln.ckpt_dir), policy=Policy(gpu_batch_size=4)) as engine:
-    with pytest.raises(FlexjaxError, match='with forced_tokens ask for return_logits'):
-      engine.generate(PROMPTS, GEN, forced_tokens=forced)
+    result = engine.generate(PROMPTS, gen, forced_tokens=FORCED)
+    with_logits = engine.generate(PROMPTS, gen, forced_tokens=FORCED, return_logits=True)
+  assert result.logits is None
+  np.testing.assert_array_equal(result.tokens, FORCED)
+  ids, mask = left_pad(PROMPTS)
+  s = ids.shape[1]
+  full_ids = torch.cat([ids, torch.tensor(FORCED[:, :-1])], dim=1)
+  full_mask = torch.cat([mask, torch.ones(len(PROMPTS), 5, dtype=mask.dtype)], dim=1)
+  ref = hf_logits(pre_ln.torch_model, full_ids, full_mask)[:, s - 1:]
+  np.testing.assert_allclose(result.token_logprobs, log_softmax_at(ref, FORCED), atol=1e-4,
+                             rtol=0)
+  np.testing.assert_array_equal(result.top_ids[..., 0], ref.argmax(-1))
+  # the same run returning its logits: the head's scores are those logits' log softmax
+  np.testing.assert_array_equal(with_logits.token_logprobs, result.token_logprobs)
+  np.testing.assert_allclose(result.token_logprobs, log_softmax_at(with_logits.logits, FORCED),
+                             atol=1e-5, rtol=0)
+  assert not (result.top_ids[..., 0] == FORCED).all()  # the scores are not the model's choice
+
+
+@pytest.mark.parametrize('policy', [
+    Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0,
+           cache_cpu_percent=0, act_gpu_percent=0, act_cpu_percent=50),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=50,
+           cache_gpu_percent=0, cache_cpu_percent=50, cpu_attention=True, overlap=False),
+], ids=['everything_on_disk', 'split_cpu_attention'])
+def test_offloaded_runs_score_forced_tokens_as_the_all_device_run(pre_ln, tmp_path, policy):
+  gen = GenerationConfig(gen_len=6, stop_at_eos=False, logprobs=True)
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=Policy(gpu_batch_size=4)) as engine:
+    reference = engine.generate(PROMPTS, gen, forced_tokens=FORCED)
+  with Engine(Checkpoint(pre_ln.ckpt_dir), policy=policy, offload_dir=str(tmp_path)) as engine:
+    result = engine.generate(PROMPTS, gen, forced_tokens=FORCED)
+  if policy.gpu_batch_size == 4 and not policy.cpu_attention:  # the same products: lossless
+    np.testing.assert_array_equal(result.token_logprobs, reference.token_logprobs)
+  np.testing.assert_allclose(result.token_logprobs, reference.token_logprobs, atol=1e-5, rtol=0)
 
 
 def test_job_rows_ask_for_log_probabilities_one_by_one(pre_ln, tmp_path):

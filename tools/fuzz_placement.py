@@ -73,6 +73,7 @@ class Case:
   rows: tuple[str, ...] = ()  # a batch job's input lines (--mode=job); prompts unused then
   bucket: bool = True  # the job's blocks padded to length buckets
   stages: int = 0  # pipeline stages (--mode=pipeline), one process each; 0: one process
+  top_logprobs: int = 0  # each step's most likely tokens' log-probabilities (and the tokens')
 
 
 def draw_model(rng: random.Random) -> dict[str, Any]:
@@ -146,8 +147,10 @@ def draw_case(seed: int) -> Case:
   if rng.random() < 0.15:
     calls['forced_tokens'] = [[rng.randint(3, model['vocab_size'] - 1) for _ in range(gen_len)]
                               for _ in prompts]
+  asks = random.Random(f'logprobs-{seed}')  # (a stream of its own: the rest as before)
+  top_logprobs = asks.choice([0, 0, 1, 3])
   return Case(seed, model, prompts, generation, approx, policy, compute_dtype, weight_dtype,
-              calls, rng.choice([1, 2, 3, 4]))
+              calls, rng.choice([1, 2, 3, 4]), top_logprobs=top_logprobs)
 
 
 def draw_job_case(seed: int) -> Case:
@@ -214,8 +217,9 @@ def generate(case: Case, policy: dict[str, Any], offload_dir: str, *, weights_ca
   with Engine(weights, policy=Policy(**policy, **case.approx), compute_dtype=case.compute_dtype,
               offload_dir=offload_dir, weights_cache=weights_cache,
               io_threads=case.io_threads) as engine:
-    result = engine.generate([list(p) for p in case.prompts],
-                             GenerationConfig(**case.generation), return_logits=True, **case.calls)
+    gen = GenerationConfig(**case.generation, top_logprobs=case.top_logprobs)
+    result = engine.generate([list(p) for p in case.prompts], gen, return_logits=True,
+                             **case.calls)
     if case.approx:
       return result, None
     tokens, mask = pad_prompts(case.prompts, max(map(len, case.prompts)),
@@ -225,12 +229,16 @@ def generate(case: Case, policy: dict[str, Any], offload_dir: str, *, weights_ca
 
 def compare(reference, result, compute_dtype: str, *,
             quantized_cache: bool = False) -> dict[str, Any]:
-  """Tokens equal, and the generated and scored logits within the dtype's tolerance of the
-  reference's largest (QUANTIZED_CACHE_TOLERANCE's in float32 with a quantized cache, where it
-  is larger). reference, result: generate()'s pairs."""
+  """Tokens equal, and the generated and scored logits (and the log-probabilities where the
+  case asks for them: the tokens' and the top ones') within the dtype's tolerance of the
+  reference's largest logit (QUANTIZED_CACHE_TOLERANCE's in float32 with a quantized cache,
+  where it is larger). reference, result: generate()'s pairs."""
   (ref, ref_scores), (out, out_scores) = reference, result
   same_tokens = bool(np.array_equal(ref.tokens, out.tokens))
   diffs = {'logit_diff': _diff(ref.logits, out.logits)}
+  if ref.token_logprobs is not None:  # a log softmax: its error is the logits' at most twice
+    diffs['logprob_diff'] = max(_diff(a, b) for a, b in (
+        (ref.token_logprobs, out.token_logprobs), (ref.top_logprobs, out.top_logprobs)))
   if ref_scores is not None:
     diffs['score_diff'] = _diff(ref_scores, out_scores)
   scale = float(np.max(np.abs(ref.logits)))
@@ -239,7 +247,8 @@ def compare(reference, result, compute_dtype: str, *,
     relative = max(relative, QUANTIZED_CACHE_TOLERANCE)
   tolerance = relative * max(scale, 1e-3)
   return {'same_tokens': same_tokens, **diffs, 'logit_scale': scale,
-          'ok': same_tokens and all(d <= tolerance for d in diffs.values())}
+          'ok': same_tokens and all(d <= tolerance * (2 if k == 'logprob_diff' else 1)
+                                    for k, d in diffs.items())}
 
 
 def _diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -438,7 +447,9 @@ def describe(row: dict[str, Any]) -> str:
             + ('equal' if row['same_outputs'] else f'differ in {row["differing_rows"]}'))
   return (f'tokens {"equal" if row["same_tokens"] else "differ"}, logits within '
           f'{row["logit_diff"]:.2e} of {row["logit_scale"]:.2e}'
-          + (f', scores within {row["score_diff"]:.2e}' if 'score_diff' in row else ''))
+          + (f', scores within {row["score_diff"]:.2e}' if 'score_diff' in row else '')
+          + (f', log-probabilities within {row["logprob_diff"]:.2e}'
+             if 'logprob_diff' in row else ''))
 
 
 def define_flags(fv: flags.FlagValues) -> None:
