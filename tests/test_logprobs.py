@@ -18,6 +18,13 @@ from flexjax.policy import Policy
 from flexjax.run import RunConfig, run
 
 GEN = GenerationConfig(gen_len=6, stop_at_eos=False, logprobs=True)
+# two placements whose runs the all-device run's log-probabilities are checked against
+OFFLOADED = [
+    Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0,
+           cache_cpu_percent=0, act_gpu_percent=0, act_cpu_percent=50),
+    Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=50,
+           cache_gpu_percent=0, cache_cpu_percent=50, cpu_attention=True, overlap=False)]
+OFFLOADED_IDS = ['everything_on_disk', 'split_cpu_attention']
 
 
 def log_softmax_at(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -82,12 +89,7 @@ def test_sampled_tokens_log_probabilities_are_the_models_before_temperature(pre_
   assert np.abs(result.token_logprobs - tempered).max() > 1e-2  # a different distribution
 
 
-@pytest.mark.parametrize('policy', [
-    Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0,
-           cache_cpu_percent=0, act_gpu_percent=0, act_cpu_percent=50),
-    Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=50,
-           cache_gpu_percent=0, cache_cpu_percent=50, cpu_attention=True, overlap=False),
-], ids=['everything_on_disk', 'split_cpu_attention'])
+@pytest.mark.parametrize('policy', OFFLOADED, ids=OFFLOADED_IDS)
 def test_offloaded_runs_give_the_all_device_runs_log_probabilities(pre_ln, tmp_path, policy):
   with Engine(Checkpoint(pre_ln.ckpt_dir), policy=Policy(gpu_batch_size=4)) as engine:
     reference = engine.generate(PROMPTS, GEN)
@@ -137,12 +139,7 @@ def test_forced_tokens_log_probabilities_are_transformers_scores_of_them(pre_ln)
   assert not (result.top_ids[..., 0] == FORCED).all()  # the scores are not the model's choice
 
 
-@pytest.mark.parametrize('policy', [
-    Policy(gpu_batch_size=4, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0,
-           cache_cpu_percent=0, act_gpu_percent=0, act_cpu_percent=50),
-    Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=50,
-           cache_gpu_percent=0, cache_cpu_percent=50, cpu_attention=True, overlap=False),
-], ids=['everything_on_disk', 'split_cpu_attention'])
+@pytest.mark.parametrize('policy', OFFLOADED, ids=OFFLOADED_IDS)
 def test_offloaded_runs_score_forced_tokens_as_the_all_device_run(pre_ln, tmp_path, policy):
   gen = GenerationConfig(gen_len=6, stop_at_eos=False, logprobs=True)
   with Engine(Checkpoint(pre_ln.ckpt_dir), policy=Policy(gpu_batch_size=4)) as engine:
