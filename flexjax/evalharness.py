@@ -33,6 +33,7 @@ from flexjax.checkpoint import Checkpoint
 from flexjax.config import DTYPES
 from flexjax.engine import Engine, GenerationConfig
 from flexjax.errors import FlexjaxError
+from flexjax.evaluate import score_continuations
 from flexjax.hardware import HOST_MEMORY
 from flexjax.policy import Policy
 from flexjax.tokenizer import Tokenizer
@@ -290,20 +291,10 @@ class FlexjaxLM(TemplateLM):
     results: list[tuple[float, bool] | None] = [None] * len(rows)
     bar = tqdm(total=len(rows), disable=disable_tqdm, desc='flexjax loglikelihood')
     for call in _calls(rows, block=self.policy.block_size, positions=self.max_length):
-      continuations = [rows[i][1] for i in call]
-      gen_len = max(map(len, continuations))
-      forced = np.full((len(call), gen_len), self.config.pad_token_id, np.int32)
-      for row, continuation in enumerate(continuations):
-        forced[row, :len(continuation)] = continuation
-      # the head step scores the forced tokens (and gives its own most likely one): no
-      # [rows, gen_len, vocab] logits leave the device
-      result = self.engine.generate([rows[i][0] for i in call],
-                                    GenerationConfig(gen_len=gen_len, stop_at_eos=False,
-                                                     top_logprobs=1), forced_tokens=forced)
-      for row, i in enumerate(call):
-        n = len(rows[i][1])
-        results[i] = (float(result.token_logprobs[row, :n].astype(np.float64).sum()),
-                      bool((result.top_ids[row, :n, 0] == rows[i][1]).all()))
+      scores = score_continuations(self.engine, [rows[i][0] for i in call],
+                                   [rows[i][1] for i in call])
+      for i, (logprobs, greedy) in zip(call, scores):
+        results[i] = (float(logprobs.astype(np.float64).sum()), bool(greedy.all()))
       bar.update(len(call))
     bar.close()
     return results

@@ -29,9 +29,11 @@ class Perplexity:
 
 def score_continuations(engine: Engine, prompts: Sequence[Sequence[int]],
                         continuations: Sequence[Sequence[int]]):
-  """Log-probabilities and greedy hits of each continuation given its prompt.
+  """Log-probabilities and greedy hits of each continuation given its prompt, in one
+  generate() call. The head step scores the forced tokens (and gives its own most likely
+  one): no [prompts, gen_len, vocab] logits leave the device.
 
-  Returns per example (log-probs [len], argmax-equals-target [len]).
+  Returns per example (log-probs [len] float32, argmax-equals-target [len]).
   """
   gen_len = max(len(c) for c in continuations)
   forced = np.full((len(prompts), gen_len), engine.config.pad_token_id, np.int32)
