@@ -104,11 +104,12 @@ def fmt_number(value: float | None) -> str:
   return '—' if value is None or not math.isfinite(value) else f'{value:,.1f}'
 
 
-def read_records(path: str) -> list[dict[str, Any]]:
-  """The JSON records of a results file (one per line; blank lines skipped)."""
+def read_records(path: str, flag: str = 'render') -> list[dict[str, Any]]:
+  """The JSON records of a results file (one per line; blank lines skipped); errors name it as
+  the value of --`flag`."""
   p = Path(path)
   if not p.is_file():
-    raise FlexjaxError(f'--render={path!r} does not exist; pass a JSONL file written by --output')
+    raise FlexjaxError(f'--{flag}={path!r} does not exist; pass a JSONL file written by --output')
   records = []
   for number, line in enumerate(p.read_text().splitlines(), 1):
     if not line.strip():
@@ -116,7 +117,7 @@ def read_records(path: str) -> list[dict[str, Any]]:
     try:
       records.append(json.loads(line))
     except json.JSONDecodeError as e:
-      raise FlexjaxError(f'--render={path!r} line {number} is not JSON ({e.msg}); '
+      raise FlexjaxError(f'--{flag}={path!r} line {number} is not JSON ({e.msg}); '
                          'remove or fix that line') from None
   return records
 

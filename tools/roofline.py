@@ -432,15 +432,20 @@ def _fraction(ideal: float, measured: float) -> float | None:
   return ideal / measured if measured > 0 and math.isfinite(measured) else None
 
 
+def record_config(record: dict[str, Any]):
+  """The ModelConfig of a suite record: its spec's preset name, or the config itself."""
+  from flexjax import config as config_lib
+  model = record['spec']['model']
+  return (config_lib.ModelConfig.from_dict(model) if isinstance(model, dict)
+          else config_lib.preset(model))
+
+
 def of_record(record: dict[str, Any], rates: dict[str, Any]) -> dict[str, Any]:
   """The roofline of a successful suite record (flexjax, accelerate or flexgen) at `rates`."""
   from flexjax import config as config_lib
   from flexjax import plan as plan_lib
   from flexjax.policy import Policy
-  spec = record['spec']
-  model = spec['model']
-  cfg = (config_lib.ModelConfig.from_dict(model) if isinstance(model, dict)
-         else config_lib.preset(model))
+  cfg = record_config(record)
   lengths = dict(prompt_len=record['prompt_len'], gen_len=record['gen_len'])
   itemsize = lambda dtype: config_lib.np_dtype(dtype).itemsize  # noqa: E731
   system = record['system']

@@ -801,7 +801,7 @@ def run_cli(fv: flags.FlagValues) -> int:
       print(render_all(read_records(fv.render)))
       return 0
     if fv.plot:
-      plot_frontier(read_records(fv.plot), fv.plot_output, title=fv.plot_title)
+      plot_frontier(read_records(fv.plot, 'plot'), fv.plot_output, title=fv.plot_title)
       print(f'wrote {fv.plot_output}')
       return 0
     if not fv.suite or not (fv.output or fv.dry_run):
@@ -818,7 +818,7 @@ def run_cli(fv: flags.FlagValues) -> int:
         print(f'{case["name"]}: {describe_case(case)}')
       return 0
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    previous = read_records(fv.output) if Path(fv.output).is_file() else []
+    previous = read_records(fv.output, 'output') if Path(fv.output).is_file() else []
     rates = (measure_rates(cases, folder=fv.roofline_dir, file_gib=fv.roofline_file_gib, log=log)
              if fv.roofline else None)
     with jsonl_appender(fv.output) as emit:
