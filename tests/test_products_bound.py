@@ -100,6 +100,8 @@ def test_a_suite_records_bound_and_one_line_refusals(tmp_path, capsys):
     assert line['bound'][phase] == pytest.approx(
         expected[phase]['roofline_s'] / max(expected[phase]['roofline_s'], min(timed.values())))
     assert 0 < line['bound'][phase] <= 1
+    assert line['products_share_of_matmul_rate'][phase] == pytest.approx(
+        line['products_flops'][phase] / min(timed.values()) / 1e9)  # RATES: torch's 1 GFLOP/s
   assert 'tiny-fj' in text.out and 'bound' in text.out
 
   for argv, message in (

@@ -25,6 +25,8 @@ included; --rates reads a file of them instead) it gives per phase:
               batch's prompt through every layer and the head at its last position; decode,
               gen_len - 1 steps of every GPU batch through every layer and the head
   roofline_s  the row's roofline at these rates (tools.roofline.of_record)
+  products_share_of_matmul_rate
+              the products' FLOP rate over the roofline's (the square matmul's)
   bound       roofline_s / max(products_s, roofline_s): a run whose products alone take
               products_s reaches no more of its roofline. The total's bound is the phases'
               rooflines added over their max(...) added.
@@ -191,14 +193,17 @@ def measure(record: dict[str, Any], rates: dict[str, Any], *, repeats: int,
   products_s = {p: min(by_framework[fw][p] for fw in FRAMEWORKS) for p in roofline.PHASES}
   line = roofline.of_record(record, rates)
   roofline_s = {p: line[p]['roofline_s'] for p in roofline.PHASES}
+  flops = {name: products_flops(cfg, p) for name, p in phases.items()}
   return {
       'tool': 'products_bound', 'case': record['case'], 'model': cfg.name,
       'policy': record['policy'], 'compute_dtype': compute, 'weight_storage_dtype': storage,
       'prompt_len': record['prompt_len'], 'gen_len': record['gen_len'],
       'rows': {name: p['layer_rows'] for name, p in phases.items()},
       'distinct_layers': distinct_layers(cfg, np_dtype(storage).itemsize),
-      'products_flops': {name: products_flops(cfg, p) for name, p in phases.items()},
+      'products_flops': flops,
       'products_s': by_framework, 'least_products_s': products_s,
+      'products_share_of_matmul_rate': {
+          p: flops[p] / products_s[p] / line['rates']['compute_flops'] for p in roofline.PHASES},
       'roofline_s': roofline_s, 'bounds': {p: line[p]['bound'] for p in roofline.PHASES},
       'bound': bound_of(roofline_s, products_s),
       'fraction': {**{p: line[p]['fraction'] for p in roofline.PHASES},
