@@ -77,6 +77,26 @@ def pytest_unconfigure(config):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+# Rates of a made-up machine for the roofline tools' tests (tools.roofline.measure_rates' form).
+ROOFLINE_RATES = {
+    'device': 'cpu:cpu', 'matmul_flops': {'float32': {'jax': 600.0, 'torch': 1000.0}},
+    'matmul_n': {'float32': {'jax': 512, 'torch': 512}}, 'host_device_bw': 1000.0,
+    'host_device_method': 'memcpy (numpy copyto)', 'disk_read_bw': 100.0, 'disk_write_bw': 50.0,
+    'disk': {'folder': '/x', 'file_bytes': 2**30, 'o_direct': True, 'chunk_bytes': 2**24,
+             'threads': 4, 'note': ''},
+    'measured_at': 'now'}
+
+
+def run_tool_cli(tool, argv: list[str], capsys):
+  """A tools/ module's command line run in this process on `argv`: (exit status, captured
+  output)."""
+  from absl import flags
+  fv = flags.FlagValues()
+  tool.define_flags(fv)
+  fv([tool.__name__.rsplit('.', 1)[-1]] + argv)
+  return tool.run_cli(fv), capsys.readouterr()
+
+
 def without_test_compile_cache(env: dict[str, str]) -> dict[str, str]:
   """A process environment without the session's compilation cache (jax's own settings)."""
   return {k: v for k, v in env.items()

@@ -4,8 +4,8 @@ import json
 import math
 
 import pytest
-from absl import flags
 
+from conftest import run_tool_cli
 from flexjax.config import ModelConfig
 from flexjax.policy import Policy
 from tools import bench_offload
@@ -114,11 +114,7 @@ def test_case_policies_and_unknown_case(base):
 
 
 def _cli(argv, capsys):
-  fv = flags.FlagValues()
-  bench_offload.define_flags(fv)
-  fv(['bench_offload'] + argv)
-  status = bench_offload.run_cli(fv)
-  return status, capsys.readouterr()
+  return run_tool_cli(bench_offload, argv, capsys)
 
 
 @pytest.mark.parametrize('argv, message', [

@@ -5,8 +5,8 @@ import json
 import math
 
 import pytest
-from absl import flags
 
+from conftest import run_tool_cli
 from flexjax.config import ModelConfig
 from tools import layer_bench
 
@@ -34,10 +34,7 @@ def test_every_case_is_timed_per_rows_and_positions():
 
 
 def _cli(argv, capsys):
-  fv = flags.FlagValues()
-  layer_bench.define_flags(fv)
-  fv(['layer_bench'] + argv)
-  return layer_bench.run_cli(fv), capsys.readouterr()
+  return run_tool_cli(layer_bench, argv, capsys)
 
 
 def test_cli_writes_records_and_refuses_bad_numbers_in_one_line(capsys, tmp_path):

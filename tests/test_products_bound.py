@@ -5,8 +5,8 @@ import json
 import math
 
 import pytest
-from absl import flags
 
+from conftest import ROOFLINE_RATES, run_tool_cli
 from flexjax.config import ModelConfig
 from flexjax.policy import Policy
 from tools import products_bound, roofline, suite
@@ -15,12 +15,10 @@ OPT = ModelConfig(name='tiny-opt', num_layers=3, hidden_size=64, num_heads=4, ff
                   vocab_size=100, max_positions=64)
 LLAMA = ModelConfig(name='tiny-gqa', family='llama', num_layers=2, hidden_size=64, num_heads=4,
                     num_kv_heads=2, ffn_dim=160, vocab_size=120, max_positions=64)
-RATES = {'device': 'cpu:cpu', 'matmul_flops': {'float32': {'jax': 6e8, 'torch': 1e9}},
-         'matmul_n': {'float32': {'jax': 512, 'torch': 512}}, 'host_device_bw': 1e9,
-         'host_device_method': 'memcpy (numpy copyto)', 'disk_read_bw': 1e8,
-         'disk_write_bw': 5e7, 'disk': {'folder': '/x', 'file_bytes': 2**30, 'o_direct': True,
-                                        'chunk_bytes': 2**24, 'threads': 4, 'note': ''},
-         'measured_at': 'now'}
+# The made-up machine at speeds whose roofline is of the order of the tiny model's measured
+# products (milliseconds): either may be the larger
+RATES = {**ROOFLINE_RATES, 'matmul_flops': {'float32': {'jax': 6e8, 'torch': 1e9}},
+         'host_device_bw': 1e9, 'disk_read_bw': 1e8, 'disk_write_bw': 5e7}
 
 
 @pytest.mark.parametrize('cfg', [OPT, LLAMA], ids=lambda c: c.name)
@@ -61,10 +59,7 @@ def test_distinct_layer_copies_outgrow_the_cache_within_the_models_layers():
 
 
 def _cli(argv, capsys):
-  fv = flags.FlagValues()
-  products_bound.define_flags(fv)
-  fv(['products_bound'] + argv)
-  return products_bound.run_cli(fv), capsys.readouterr()
+  return run_tool_cli(products_bound, argv, capsys)
 
 
 def test_a_suite_records_bound_and_one_line_refusals(tmp_path, capsys):

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from conftest import ROOFLINE_RATES
 from flexjax import hardware
 from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
@@ -16,12 +17,7 @@ from tools import roofline, suite
 # 2 layers, hidden 4, ffn 8, vocab 10: every number below is worked out by hand.
 HAND = ModelConfig(name='hand', num_layers=2, hidden_size=4, num_heads=2, ffn_dim=8,
                    vocab_size=10, max_positions=16)
-RATES = {'device': 'cpu:cpu', 'matmul_flops': {'float32': {'jax': 600.0, 'torch': 1000.0}},
-         'matmul_n': {'float32': {'jax': 512, 'torch': 512}}, 'host_device_bw': 1000.0,
-         'host_device_method': 'memcpy (numpy copyto)', 'disk_read_bw': 100.0,
-         'disk_write_bw': 50.0, 'disk': {'folder': '/x', 'file_bytes': 2**30, 'o_direct': True,
-                                         'chunk_bytes': 2**24, 'threads': 4, 'note': ''},
-         'measured_at': 'now'}
+RATES = ROOFLINE_RATES
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------
