@@ -106,24 +106,29 @@ def time_products(cfg, *, rows: list[int], head_rows: list[int], storage_dtype: 
   them (linear.in_library), oneDNN's (linear.library_options), whatever the model's family.
   The compiled programs are appended to `programs`, which the caller frees after its later work
   (a oneDNN program freed right after its run can abort: linear.library_options)."""
-  import jax
-  import jax.numpy as jnp
-  import torch
-
   from flexjax.config import np_dtype
-  from flexjax.model import linear
-  storage, compute = np_dtype(storage_dtype), np_dtype(compute_dtype)
-  torch_dtype = getattr(torch, compute_dtype)
+  storage = np_dtype(storage_dtype)
   rng = np.random.default_rng(0)
   shapes = layer_matrices(cfg)
-  copies = distinct_layers(cfg, storage.itemsize)
   layers = [[(rng.standard_normal(s, dtype=np.float32) * 0.02).astype(storage) for s in shapes]
-            for _ in range(copies)]
+            for _ in range(distinct_layers(cfg, storage.itemsize))]
   head = (rng.standard_normal(cfg.tokens_shape(), dtype=np.float32) * 0.02).astype(storage)
-  inputs = lambda n, width: rng.standard_normal((n, width), dtype=np.float32)  # noqa: E731
-  out: dict[str, dict[str, dict[int, float]]] = {fw: {'layer': {}, 'head': {}}
-                                                 for fw in FRAMEWORKS}
+  inputs = {n: [rng.standard_normal((n, i), dtype=np.float32) for _, i in shapes]
+            for n in rows}
+  head_inputs = {n: rng.standard_normal((n, cfg.embed_dim), dtype=np.float32)
+                 for n in head_rows}
+  kw = dict(layers=layers, head=head, inputs=inputs, head_inputs=head_inputs,
+            compute_dtype=compute_dtype, repeats=repeats)
+  return {'jax': _time_jax(**kw, programs=programs), 'torch': _time_torch(**kw)}
 
+
+def _time_jax(*, layers, head, inputs, head_inputs, compute_dtype: str, repeats: int,
+              programs: list) -> dict[str, dict[int, float]]:
+  import jax
+  import jax.numpy as jnp
+
+  from flexjax.model import linear
+  compute = jnp.dtype(compute_dtype)
   product = lambda x, w: linear.dense(x, w, compute)  # noqa: E731
   products = lambda xs, ws: [product(x, w) for x, w in zip(xs, ws)]  # noqa: E731
   platform = jax.devices()[0].platform
@@ -131,31 +136,38 @@ def time_products(cfg, *, rows: list[int], head_rows: list[int], storage_dtype: 
                                                    compiler_options=linear.library_options())}
   head_step = jax.jit(product)
   programs.extend([*forms.values(), head_step])
-  j_layers = [[jnp.asarray(w) for w in ws] for ws in layers]
-  j_head = jnp.asarray(head)
-  for n in rows:
-    xs = [jnp.asarray(inputs(n, i).astype(compute)) for _, i in shapes]
-    out['jax']['layer'][n] = min(
-        _best(lambda: jax.block_until_ready([step(xs, ws) for ws in j_layers]), repeats)
+  weights = [[jnp.asarray(w) for w in ws] for ws in layers]
+  table = jnp.asarray(head)
+  out: dict[str, dict[int, float]] = {'layer': {}, 'head': {}}
+  for n, xs in inputs.items():
+    xs = [jnp.asarray(x, compute) for x in xs]
+    out['layer'][n] = min(
+        _best(lambda: jax.block_until_ready([step(xs, ws) for ws in weights]), repeats)
         for library, step in forms.items()
-        if not library or linear.in_library(platform, compute, n)) / copies
-  for n in head_rows:
-    x = jnp.asarray(inputs(n, cfg.embed_dim).astype(compute))
-    out['jax']['head'][n] = _best(lambda: head_step(x, j_head).block_until_ready(), repeats)
-  del j_layers, j_head
+        if not library or linear.in_library(platform, compute, n)) / len(weights)
+  for n, x in head_inputs.items():
+    x = jnp.asarray(x, compute)
+    out['head'][n] = _best(lambda: head_step(x, table).block_until_ready(), repeats)
+  return out
 
+
+def _time_torch(*, layers, head, inputs, head_inputs, compute_dtype: str,
+                repeats: int) -> dict[str, dict[int, float]]:
+  import torch
+  dtype = getattr(torch, compute_dtype)
+  as_torch = lambda a: torch.from_numpy(np.asarray(a, np.float32)).to(dtype)  # noqa: E731
   f = torch.nn.functional.linear
-  t_layers = [[torch.from_numpy(w.astype(np.float32)).to(torch_dtype) for w in ws]
-              for ws in layers]
-  t_head = torch.from_numpy(head.astype(np.float32)).to(torch_dtype)
+  weights = [[as_torch(w) for w in ws] for ws in layers]
+  table = as_torch(head)
+  out: dict[str, dict[int, float]] = {'layer': {}, 'head': {}}
   with torch.inference_mode():
-    for n in rows:
-      xs = [torch.from_numpy(inputs(n, i)).to(torch_dtype) for _, i in shapes]
-      pass_s = _best(lambda: [[f(x, w) for x, w in zip(xs, ws)] for ws in t_layers], repeats)
-      out['torch']['layer'][n] = pass_s / copies
-    for n in head_rows:
-      x = torch.from_numpy(inputs(n, cfg.embed_dim)).to(torch_dtype)
-      out['torch']['head'][n] = _best(lambda: f(x, t_head), repeats)
+    for n, xs in inputs.items():
+      xs = [as_torch(x) for x in xs]
+      out['layer'][n] = _best(lambda: [[f(x, w) for x, w in zip(xs, ws)] for ws in weights],
+                              repeats) / len(weights)
+    for n, x in head_inputs.items():
+      x = as_torch(x)
+      out['head'][n] = _best(lambda: f(x, table), repeats)
   return out
 
 
