@@ -2,9 +2,11 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
+from conftest import run_tool_cli
 from flexjax.errors import FlexjaxError
 from tools import suite
 
@@ -117,6 +119,22 @@ def test_output_files_that_cannot_be_written_are_refused_as_flags_are_parsed(tmp
     assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and says in proc.stderr, (
         proc.stderr)
   assert results.read_text() == '{}\n' and suite_file.read_bytes() == shipped
+
+
+def test_a_results_files_errors_name_the_flag_that_gave_it(tmp_path, capsys):
+  """--plot's missing file and --output's broken earlier results are refused in one line that
+  names the flag given, before any case runs."""
+  broken = tmp_path / 'broken.jsonl'
+  broken.write_text('{"case": 1}\nnot json\n')
+  suite_file = Path(__file__).resolve().parent.parent / 'configs' / 'bench' / 'cpu.json'
+  for argv, says in (
+      ([f'--plot={tmp_path / "none.jsonl"}', f'--plot_output={tmp_path / "f.png"}'],
+       f"--plot='{tmp_path / 'none.jsonl'}' does not exist"),
+      ([f'--suite={suite_file}', '--only=frontier-flexjax-4', f'--output={broken}'],
+       f"--output='{broken}' line 2 is not JSON")):
+    status, text = run_tool_cli(suite, argv, capsys)
+    assert status == 2 and text.err.count('\n') == 1 and says in text.err, text.err
+  assert broken.read_text() == '{"case": 1}\nnot json\n'
 
 
 def test_shipped_suites_load():

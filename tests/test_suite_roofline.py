@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import ROOFLINE_RATES
+from conftest import ROOFLINE_RATES as RATES
 from flexjax import hardware
 from flexjax import plan as plan_lib
 from flexjax.config import ModelConfig
@@ -17,7 +17,6 @@ from tools import roofline, suite
 # 2 layers, hidden 4, ffn 8, vocab 10: every number below is worked out by hand.
 HAND = ModelConfig(name='hand', num_layers=2, hidden_size=4, num_heads=2, ffn_dim=8,
                    vocab_size=10, max_positions=16)
-RATES = ROOFLINE_RATES
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------
