@@ -2,6 +2,8 @@
 fill them, at the stated scale, and every value written."""
 
 import dataclasses
+import hashlib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -53,6 +55,30 @@ def test_every_value_is_written_at_the_stated_scale(cfg, dtype):
       if flat.size > 2 * params.DUMMY_CHUNK:
         chunk = params.DUMMY_CHUNK
         assert not np.array_equal(flat[:chunk], flat[chunk:2 * chunk])
+
+
+def test_a_chunk_is_one_stream_drawn_through_small_temporaries(cfg):
+  """Each chunk's values are one uniform draw from its own generator (as cached layouts were
+  written), drawn a piece at a time: the fill's temporaries stay at a few pieces per worker, not
+  a whole chunk's float32 draw (which a worker thread's malloc arena kept after the fill)."""
+  tracemalloc.start()
+  try:
+    tree = params.flatten(params.dummy_stage(cfg, 'layer_000', np.float16, 5, workers=2))
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  out_bytes = sum(a.nbytes for a in tree.values())
+  assert peak - out_bytes <= 2 * 2 * params.DUMMY_PIECE * 4 + 2**20  # 2 workers, 2 pieces
+  assert params.DUMMY_CHUNK * 4 > 2 * 2 * params.DUMMY_PIECE * 4 + 2**20  # a chunk would not fit
+  path = ('fc1', 'weight')
+  name = hashlib.sha256('/'.join(('layer_000', *path)).encode()).digest()[:16]
+  half_width = np.float32(0.02 * np.sqrt(3.0))
+  flat = tree[path].reshape(-1)
+  for chunk in range(-(-flat.size // params.DUMMY_CHUNK)):
+    rng = np.random.default_rng([5, int.from_bytes(name, 'little'), chunk])
+    part = flat[chunk * params.DUMMY_CHUNK:(chunk + 1) * params.DUMMY_CHUNK]
+    whole = rng.random(part.size, dtype=np.float32) * (2 * half_width) - half_width
+    np.testing.assert_array_equal(part, whole.astype(np.float16))
 
 
 def test_the_fingerprint_names_the_values():
