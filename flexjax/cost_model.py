@@ -154,11 +154,16 @@ def build(cfg: ModelConfig, policy: Policy, hw: HardwareProfile, sizes: plan_lib
                memory=mem, num_layers=L, gen_len=n, block_size=bls, overlap=policy.overlap)
 
 
+def layer_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
+  """[out, in] of each matrix of one decoder layer (OPT: q, k, v, out, fc1, fc2; llama: q, k, v,
+  o with grouped KV heads, then gate, up, down)."""
+  return [tuple(s) for s in params_lib.flatten(cfg.layer_shapes()).values() if len(s) == 2]
+
+
 def layer_matmul_params(cfg: ModelConfig) -> int:
   """Weights of one decoder layer's matrices (OPT: 4·h² + 2·h·ffn; llama: q, k, v, o with
   grouped KV heads, then gate, up, down): a token's multiply-adds in its products."""
-  shapes = params_lib.flatten(cfg.layer_shapes())
-  return sum(math.prod(shape) for shape in shapes.values() if len(shape) == 2)
+  return sum(math.prod(shape) for shape in layer_matrices(cfg))
 
 
 def _share_compute(terms: dict[str, Linear], hidden: float = 1.0) -> dict[str, Linear]:

@@ -52,13 +52,6 @@ MIN_DISTINCT_BYTES = 256 * 2**20  # weights timed per pass: more than any CPU ca
 FRAMEWORKS = ('jax', 'torch')
 
 
-def layer_matrices(cfg) -> list[tuple[int, int]]:
-  """[out, in] of each matrix of one decoder layer (those cost_model.layer_matmul_params
-  counts)."""
-  from flexjax.model import params as params_lib
-  return [tuple(s) for s in params_lib.flatten(cfg.layer_shapes()).values() if len(s) == 2]
-
-
 def phase_products(cfg, policy, *, prompt_len: int, gen_len: int) -> dict[str, dict[str, Any]]:
   """Per phase, the rows of a layer step's products and of a head step's, and how many of each
   the phase runs (the FLOPs tools.roofline.work counts, less attention)."""
@@ -74,15 +67,16 @@ def phase_products(cfg, policy, *, prompt_len: int, gen_len: int) -> dict[str, d
 
 def products_flops(cfg, phase: dict[str, Any]) -> float:
   """FLOPs of one phase's products (2 per multiply-add)."""
-  layer = sum(o * i for o, i in layer_matrices(cfg))
-  return 2 * (phase['layer_steps'] * phase['layer_rows'] * layer
+  from flexjax.cost_model import layer_matmul_params
+  return 2 * (phase['layer_steps'] * phase['layer_rows'] * layer_matmul_params(cfg)
               + phase['head_steps'] * phase['head_rows'] * math.prod(cfg.tokens_shape()))
 
 
 def distinct_layers(cfg, storage_itemsize: int) -> int:
   """Copies of a layer's weights timed per pass: MIN_DISTINCT_BYTES or more, at most the
   model's layers."""
-  layer_bytes = storage_itemsize * sum(o * i for o, i in layer_matrices(cfg))
+  from flexjax.cost_model import layer_matmul_params
+  layer_bytes = storage_itemsize * layer_matmul_params(cfg)
   return max(1, min(cfg.num_layers, -(-MIN_DISTINCT_BYTES // layer_bytes)))
 
 
@@ -107,6 +101,7 @@ def time_products(cfg, *, rows: list[int], head_rows: list[int], storage_dtype: 
   The compiled programs are appended to `programs`, which the caller frees after its later work
   (a oneDNN program freed right after its run can abort: linear.library_options)."""
   from flexjax.config import np_dtype
+  from flexjax.cost_model import layer_matrices
   storage = np_dtype(storage_dtype)
   rng = np.random.default_rng(0)
   shapes = layer_matrices(cfg)
