@@ -91,11 +91,12 @@ def _best(run, repeats: int) -> float:
 
 
 def time_products(cfg, *, rows: list[int], head_rows: list[int], storage_dtype: str,
-                  compute_dtype: str, repeats: int,
+                  compute_dtype: str, copies: int, repeats: int,
                   programs: list) -> dict[str, dict[str, dict[int, float]]]:
   """Seconds of one layer step's products at each of `rows`, and of one head step's at each of
   `head_rows`, per framework: {'jax' | 'torch': {'layer' | 'head': {rows: seconds}}}. A layer
-  step is timed as the mean over a pass of distinct layers' weights, each layer its own call.
+  step is timed as the mean over a pass of `copies` distinct layers' weights (distinct_layers),
+  each layer its own call.
   jax's time is the faster of XLA's own products and, where a run of that many rows may take
   them (linear.in_library), oneDNN's (linear.library_options), whatever the model's family.
   The compiled programs are appended to `programs`, which the caller frees after its later work
@@ -106,7 +107,7 @@ def time_products(cfg, *, rows: list[int], head_rows: list[int], storage_dtype: 
   rng = np.random.default_rng(0)
   shapes = layer_matrices(cfg)
   layers = [[(rng.standard_normal(s, dtype=np.float32) * 0.02).astype(storage) for s in shapes]
-            for _ in range(distinct_layers(cfg, storage.itemsize))]
+            for _ in range(copies)]
   head = (rng.standard_normal(cfg.tokens_shape(), dtype=np.float32) * 0.02).astype(storage)
   inputs = {n: [rng.standard_normal((n, i), dtype=np.float32) for _, i in shapes]
             for n in rows}
@@ -184,14 +185,14 @@ def measure(record: dict[str, Any], rates: dict[str, Any], *, repeats: int,
   from flexjax.policy import Policy
   cfg = roofline.record_config(record)
   policy = Policy(**record['policy_fields'])
-  compute = record.get('compute_dtype') or 'float32'
-  storage = record.get('weight_storage_dtype', 'float16')
+  compute, storage = roofline.record_dtypes(record)
+  copies = distinct_layers(cfg, np_dtype(storage).itemsize)
   phases = phase_products(cfg, policy, prompt_len=record['prompt_len'],
                           gen_len=record['gen_len'])
   timed = time_products(cfg, rows=sorted({p['layer_rows'] for p in phases.values()}),
                         head_rows=sorted({p['head_rows'] for p in phases.values()}),
-                        storage_dtype=storage, compute_dtype=compute, repeats=repeats,
-                        programs=programs)
+                        storage_dtype=storage, compute_dtype=compute, copies=copies,
+                        repeats=repeats, programs=programs)
   by_framework = {
       fw: {name: p['layer_steps'] * timed[fw]['layer'][p['layer_rows']]
            + p['head_steps'] * timed[fw]['head'][p['head_rows']]
@@ -206,12 +207,13 @@ def measure(record: dict[str, Any], rates: dict[str, Any], *, repeats: int,
       'policy': record['policy'], 'compute_dtype': compute, 'weight_storage_dtype': storage,
       'prompt_len': record['prompt_len'], 'gen_len': record['gen_len'],
       'rows': {name: p['layer_rows'] for name, p in phases.items()},
-      'distinct_layers': distinct_layers(cfg, np_dtype(storage).itemsize),
+      'distinct_layers': copies,
       'products_flops': flops,
       'products_s': by_framework, 'least_products_s': products_s,
       'products_share_of_matmul_rate': {
           p: flops[p] / products_s[p] / line['rates']['compute_flops'] for p in roofline.PHASES},
-      'roofline_s': roofline_s, 'bounds': {p: line[p]['bound'] for p in roofline.PHASES},
+      'roofline_s': roofline_s,
+      'roofline_bound_by': {p: line[p]['bound'] for p in roofline.PHASES},
       'bound': bound_of(roofline_s, products_s),
       'fraction': {**{p: line[p]['fraction'] for p in roofline.PHASES},
                    'total': line['total']['fraction']},

@@ -440,6 +440,13 @@ def record_config(record: dict[str, Any]):
           else config_lib.preset(model))
 
 
+def record_dtypes(record: dict[str, Any]) -> tuple[str, str]:
+  """(compute dtype, weight storage dtype) of a suite record, with the systems' defaults."""
+  compute = record.get('compute_dtype') or ('float16' if record['system'] == 'flexgen'
+                                            else 'float32')
+  return compute, record.get('weight_storage_dtype', 'float16')
+
+
 def of_record(record: dict[str, Any], rates: dict[str, Any]) -> dict[str, Any]:
   """The roofline of a successful suite record (flexjax, accelerate or flexgen) at `rates`."""
   from flexjax import config as config_lib
@@ -448,17 +455,15 @@ def of_record(record: dict[str, Any], rates: dict[str, Any]) -> dict[str, Any]:
   cfg = record_config(record)
   lengths = dict(prompt_len=record['prompt_len'], gen_len=record['gen_len'])
   itemsize = lambda dtype: config_lib.np_dtype(dtype).itemsize  # noqa: E731
-  system = record['system']
-  dtype = record.get('compute_dtype') or ('float16' if system == 'flexgen' else 'float32')
-  if system == 'accelerate':
+  dtype, storage = record_dtypes(record)
+  if record['system'] == 'accelerate':
     works = work_of_accelerate(
         cfg, batch=record['num_prompts'], placed=record['peak_bytes'],
-        compute_itemsize=itemsize(dtype),
-        storage_itemsize=itemsize(record.get('weight_storage_dtype', 'float16')),
+        compute_itemsize=itemsize(dtype), storage_itemsize=itemsize(storage),
         device_is_host=str(record.get('device', 'cpu')).startswith('cpu'), **lengths)
   else:
     policy = Policy(**record['policy_fields'])
-    sizes = plan_lib.Itemsizes.of(record.get('weight_storage_dtype', 'float16'), dtype, dtype)
+    sizes = plan_lib.Itemsizes.of(storage, dtype, dtype)
     works = work_of_policy(cfg, policy, sizes, **lengths)
   return roofline(works, flops_rate=compute_rate(rates, dtype), bandwidths=link_bandwidths(rates),
                   measured={'prefill': record['prefill_s'], 'decode': record['decode_s']})
